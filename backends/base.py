@@ -1,0 +1,105 @@
+"""The backend contract: memory and ops the one transformer forward is written in.
+
+Every op is output-returning and documents its shapes; tensors are whatever the
+backend's ``upload`` returned ("handles"), host numpy arrays for the reference and CPU
+backends, device buffers for OpenCL. Only :meth:`Backend.to_host` brings data back.
+The numpy reference backend defines the semantics; every other backend is tested
+against it op by op and on whole models.
+
+Shapes use: T tokens in this call, D hidden, Hq / Hkv query / KV heads, hd head dim,
+F intermediate, V vocab.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from .quantized import QuantizedTensor
+
+
+class Backend(ABC):
+    """Abstract compute backend. Subclasses: reference, cpu, opencl."""
+
+    name: str = "abstract"
+
+    # ---- memory ----------------------------------------------------------------------
+    @abstractmethod
+    def upload(self, a: np.ndarray) -> Any:
+        """Upload a dense float32 tensor (norm weights, biases, RoPE tables)."""
+
+    @abstractmethod
+    def upload_weight(self, w: np.ndarray | QuantizedTensor) -> Any:
+        """Upload a linear weight ``[out, in]``, dense float32 or quantized; may repack."""
+
+    def upload_embedding(self, w: np.ndarray | QuantizedTensor) -> Any:
+        """Upload an embedding table ``[V, D]``; the handle must also work in :meth:`linear`
+        (tied output head). Default: same as :meth:`upload_weight`."""
+        return self.upload_weight(w)
+
+    @abstractmethod
+    def to_host(self, t: Any) -> np.ndarray:
+        """Copy a tensor back as a numpy array."""
+
+    @abstractmethod
+    def new_kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
+                     dtype: str = "f32") -> Any:
+        """Preallocate a KV cache of ``max_tokens`` positions per layer.
+
+        The returned object has ``max_tokens``, ``length`` (tokens held), ``nbytes``,
+        ``reset()`` and ``trim(n)`` (keep the first ``n`` positions)."""
+
+    # ---- ops -------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
+        """x[T, D] = table[ids] * scale; ``ids`` int32 [T] on the host."""
+
+    @abstractmethod
+    def rmsnorm(self, x: Any, w: Any, eps: float, unit_offset: bool = False) -> Any:
+        """y[T, N] = x / sqrt(mean(x**2) + eps) * (w or 1 + w), math in float32.
+
+        Applied over the last axis; ``x`` may also be [T, H, hd] (QK-norm per head)."""
+
+    @abstractmethod
+    def linear(self, x: Any, w: Any, bias: Any | None = None) -> Any:
+        """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]); W dense or quantized."""
+
+    @abstractmethod
+    def rope(self, x: Any, cos: Any, sin: Any, positions: np.ndarray) -> Any:
+        """Rotate x[T, H, hd] by position (NeoX / rotate-half pairing (i, i + r/2)).
+
+        ``cos``/``sin`` are tables [max_pos, r/2] (r = rotary dims, r <= hd; dims >= r
+        pass through unchanged); ``positions`` int32 [T] on the host."""
+
+    @abstractmethod
+    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, start_pos: int,
+                  scale: float, window: int | None = None,
+                  softcap: float | None = None) -> Any:
+        """Causal GQA attention that also appends to the KV cache.
+
+        Writes k, v [T, Hkv, hd] at cache positions start_pos..start_pos+T-1 of
+        ``layer``, then for each query t (absolute position p = start_pos + t) and head h
+        attends over keys j with max(0, p - window + 1) <= j <= p using KV head
+        h // (Hq // Hkv). Scores = q.k * scale, softmax in float32. Returns [T, Hq, hd].
+        """
+
+    @abstractmethod
+    def glu(self, gate: Any, up: Any, act: str = "silu") -> Any:
+        """y[T, F] = act(gate) * up; act "silu" or "gelu_tanh"."""
+
+    @abstractmethod
+    def add(self, a: Any, b: Any) -> Any:
+        """Elementwise a + b (residual)."""
+
+    def logits(self, x: Any, head: Any, softcap: float | None = None) -> np.ndarray:
+        """Final projection x[T, D] @ head[V, D].T -> float32 numpy [T, V] on the host."""
+        y = self.linear(x, head)
+        out = self.to_host(y).astype(np.float32, copy=False)
+        if softcap:
+            out = np.tanh(out / softcap) * softcap
+        return out
+
+    def select_rows(self, x: Any, rows: slice) -> Any:
+        """x[rows] for a [T, ...] tensor (used to keep only the last position)."""
+        return x[rows]

@@ -1,0 +1,34 @@
+"""Exception types raised at edgeinfer's public boundaries.
+
+Each carries a message that names the problem and the fix; the CLI prints it as one
+line. They subclass the builtin closest in meaning so callers may catch either.
+"""
+from __future__ import annotations
+
+
+class EdgeInferError(Exception):
+    """Base class of every error edgeinfer raises on purpose."""
+
+
+class ModelFormatError(EdgeInferError, ValueError):
+    """A model file or folder is missing, truncated, foreign, or inconsistent."""
+
+
+class UnsupportedModelError(EdgeInferError, ValueError):
+    """The checkpoint is readable but its architecture or a feature is not supported."""
+
+
+class ContextOverflowError(EdgeInferError, ValueError):
+    """A prompt does not fit in the context the memory budget allows."""
+
+
+class MemoryBudgetError(EdgeInferError, MemoryError):
+    """The model (or the requested context) does not fit in ``--max-memory``."""
+
+
+class CatalogError(EdgeInferError, RuntimeError):
+    """A catalog model could not be fetched or verified."""
+
+
+class BackendUnavailableError(EdgeInferError, RuntimeError):
+    """The requested backend or device cannot be used on this machine."""

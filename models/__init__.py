@@ -1,0 +1,1 @@
+"""Backend-agnostic transformer forward and per-architecture data (configs, name tables)."""

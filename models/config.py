@@ -1,0 +1,229 @@
+"""Model configuration: one dataclass mirroring HF ``config.json`` keys.
+
+Every reader (HF folder, GGUF, ``.eif``) produces an HF-style config dict and hands it
+to :meth:`ModelConfig.from_hf_dict`; unknown keys are dropped, inconsistent values
+raise. Architecture differences are switches here plus a tensor-name table in
+:mod:`edgeinfer.models.arch`, never copies of the forward pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or inconsistent."""
+
+
+#: model_type values the runtime implements, mapped to their architecture family.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "smollm": "llama",
+    "qwen2": "qwen2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer.
+
+    Attributes mirror HF names. Derived fields are filled in ``__post_init__``.
+    ``eos_token_ids`` is the union of every EOS id the checkpoint declares.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    # --- switches used by non-llama families (gemma3) ---------------------------
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w)
+    qk_norm: bool = False
+    embed_scale: float = 1.0  # embeddings multiplied by this (gemma: sqrt(hidden), rounded)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    sandwich_norms: bool = False  # post-attention / post-ffw norms (gemma)
+
+    # derived
+    arch: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unknown architecture {self.model_type!r}; edgeinfer supports "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.arch = SUPPORTED_MODEL_TYPES[self.model_type]
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads} and no head_dim is given"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads} (GQA needs whole groups)"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+
+    # ---- derived quantities ---------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads per KV head (GQA group size): head h reads KV head h // q_per_kv."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        d = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return 1.0 / math.sqrt(d)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding-window size of a layer (query i sees keys i-W+1..i), or None (global)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        if self.rope_local_base_freq is not None and self.layer_window(layer) is not None:
+            return self.rope_local_base_freq
+        return self.rope_theta
+
+    def kv_bytes_per_token_f32(self) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+
+    def param_count(self) -> int:
+        """Parameters of the weights (tied head counted once)."""
+        d, f, l = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        hq, hkv, hd = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = d * hq * hd * 2 + d * hkv * hd * 2
+        mlp = 3 * d * f
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return l * (attn + mlp + 2 * d) + emb + d
+
+    # ---- (de)serialization ---------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], extra_eos: list[int] | None = None) -> "ModelConfig":
+        """Build from an HF ``config.json`` dict (transformers 4 or 5 style).
+
+        Accepts both the classic ``rope_theta`` / ``rope_scaling`` keys and the
+        transformers-5 ``rope_parameters`` dict. ``eos_token_id`` may be an int or a
+        list; ``extra_eos`` (from generation_config / tokenizer) is merged in.
+
+        Raises:
+            ConfigError: unknown ``model_type`` or inconsistent sizes.
+        """
+        d = dict(d)
+        if "text_config" in d and "hidden_size" not in d:  # multimodal wrappers
+            d = {**d["text_config"], "model_type": d["text_config"].get("model_type", d.get("model_type"))}
+        mt = d.get("model_type")
+        if mt is None:
+            archs = d.get("architectures") or []
+            guess = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                     "MistralForCausalLM": "mistral", "Gemma3ForCausalLM": "gemma3_text"}
+            mt = next((guess[a] for a in archs if a in guess), None)
+            if mt is None:
+                raise ConfigError(f"config has no model_type and no known architectures ({archs})")
+        kw: dict[str, Any] = {"model_type": mt}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if k in names and k not in ("eos_token_ids", "arch", "model_type"):
+                kw[k] = v
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            # transformers 5: {"rope_type": "default", "rope_theta": 1e4, ...}; gemma3 nests
+            # per layer type: {"full_attention": {...}, "sliding_attention": {...}}.
+            if "full_attention" in rp or "sliding_attention" in rp:
+                full = rp.get("full_attention", {})
+                local = rp.get("sliding_attention", {})
+                if "rope_theta" in full:
+                    kw["rope_theta"] = full["rope_theta"]
+                if "rope_theta" in local:
+                    kw["rope_local_base_freq"] = local["rope_theta"]
+                rp = full
+            elif "rope_theta" in rp:
+                kw["rope_theta"] = rp["rope_theta"]
+            if rp.get("rope_type", "default") not in ("default", None):
+                kw["rope_scaling"] = dict(rp)
+            if "partial_rotary_factor" in rp:
+                kw["partial_rotary_factor"] = rp["partial_rotary_factor"]
+        rs = kw.get("rope_scaling")
+        if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) in ("default", None):
+            kw["rope_scaling"] = None
+        eos = d.get("eos_token_id")
+        eos_list = [eos] if isinstance(eos, int) else list(eos or [])
+        for e in extra_eos or []:
+            if e is not None and e not in eos_list:
+                eos_list.append(e)
+        kw["eos_token_ids"] = eos_list
+        if "tie_word_embeddings" not in d:
+            kw["tie_word_embeddings"] = True  # the HF default
+        act = d.get("hidden_activation") or d.get("hidden_act")
+        if act:
+            kw["hidden_act"] = act
+        if SUPPORTED_MODEL_TYPES.get(mt) == "qwen2" and "attention_bias" not in d:
+            kw["attention_bias"] = True  # qwen2 always has q/k/v biases
+        if SUPPORTED_MODEL_TYPES.get(mt) == "gemma3":
+            kw.setdefault("norm_unit_offset", True)
+            kw.setdefault("qk_norm", True)
+            kw.setdefault("sandwich_norms", True)
+            if "embed_scale" not in d:
+                # HF computes sqrt(hidden) in the checkpoint dtype (bf16) and the
+                # original reference does the same: use that rounded value (case C20).
+                kw["embed_scale"] = _round_bf16(math.sqrt(d["hidden_size"]))
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """HF-style dict that :meth:`from_hf_dict` reads back to an equal config."""
+        out = dataclasses.asdict(self)
+        out.pop("arch")
+        out["eos_token_id"] = out.pop("eos_token_ids")
+        return out
+
+
+def _round_bf16(x: float) -> float:
+    import numpy as np
+
+    b = np.array([x], np.float32).view(np.uint32)
+    # round to nearest even on the 16 dropped bits
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return float(b.view(np.float32)[0])
