@@ -100,6 +100,10 @@ class Backend(ABC):
             out = np.tanh(out / softcap) * softcap
         return out
 
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """A view of x with a new shape (same element count, row-major)."""
+        return x.reshape(shape)
+
     def select_rows(self, x: Any, rows: slice) -> Any:
         """x[rows] for a [T, ...] tensor (used to keep only the last position)."""
         return x[rows]

@@ -1,0 +1,189 @@
+"""The one decoder-only transformer forward, written against the backend contract.
+
+Llama, SmolLM2, Mistral, Qwen2 and Gemma3 differ only in config switches (QKV bias,
+QK-norm, sandwich norms, (1 + w) RMSNorm, GELU-tanh gating, embedding scale, per-layer
+sliding window and RoPE base) and tensor names (:mod:`.arch`). There is no per-model
+copy of attention code.
+
+References: Llama (Touvron et al., 2023) and HF ``modeling_llama.py`` / ``modeling_qwen2.py``
+/ ``modeling_gemma3.py`` for the exact order of norms and residuals.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Backend
+from .config import ModelConfig
+from .rope import rope_tables
+
+#: Short per-layer names -> canonical checkpoint suffix (after ``model.layers.{i}.``).
+LAYER_TENSORS = {
+    "input_layernorm": "input_layernorm.weight",
+    "post_attention_layernorm": "post_attention_layernorm.weight",
+    "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm": "post_feedforward_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+LINEAR_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def layer_tensor_names(i: int) -> dict[str, str]:
+    """Short name -> canonical name for layer ``i``."""
+    return {k: f"model.layers.{i}.{v}" for k, v in LAYER_TENSORS.items()}
+
+
+def upload_layer(backend: Backend, tensors: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """Upload the tensors of layer ``i`` that exist in ``tensors``; returns short-name handles."""
+    out = {}
+    for short, name in layer_tensor_names(i).items():
+        if name in tensors:
+            t = tensors[name]
+            out[short] = backend.upload_weight(t) if short in LINEAR_KEYS else backend.upload(t)
+    return out
+
+
+def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, positions: np.ndarray,
+                  rope: tuple[Any, Any], cache: Any, cache_layer: int, layer: int,
+                  capture: dict[str, Any] | None = None) -> Any:
+    """One decoder block: x[T, D] -> x[T, D], appending this layer's K/V to the cache.
+
+    Args:
+        be: the backend executing the ops.
+        cfg: model config (switches select the architecture's variant).
+        lw: short name -> uploaded tensor for this layer (see :data:`LAYER_TENSORS`).
+        x: residual stream [T, D] float32 (backend handle).
+        positions: int32 [T] absolute positions (start_pos .. start_pos + T - 1).
+        rope: (cos, sin) tables for this layer's RoPE base, [max_pos, rotary_dim/2].
+        cache: KV cache object from ``be.new_kv_cache``; written at ``positions``.
+        cache_layer: index of this layer inside ``cache``.
+        layer: index of this layer in the model (selects window / RoPE base).
+        capture: if given, filled with the *input* of each linear group
+            ("q_proj" (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
+            "down_proj"); used by the AWQ/GPTQ calibration in ``edgeinfer.quant``.
+    """
+    t = len(positions)
+    eps, off = cfg.rms_norm_eps, cfg.norm_unit_offset
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    h = be.rmsnorm(x, lw["input_layernorm"], eps, off)
+    if capture is not None:
+        capture["q_proj"] = h
+    q = be.reshape(be.linear(h, lw["q_proj"], lw.get("q_bias")), (t, hq, hd))
+    k = be.reshape(be.linear(h, lw["k_proj"], lw.get("k_bias")), (t, hkv, hd))
+    v = be.reshape(be.linear(h, lw["v_proj"], lw.get("v_bias")), (t, hkv, hd))
+    if cfg.qk_norm:
+        q = be.rmsnorm(q, lw["q_norm"], eps, off)
+        k = be.rmsnorm(k, lw["k_norm"], eps, off)
+    cos, sin = rope
+    q = be.rope(q, cos, sin, positions)
+    k = be.rope(k, cos, sin, positions)
+    a = be.attention(q, k, v, cache, cache_layer, int(positions[0]), cfg.attn_scale,
+                     cfg.layer_window(layer), cfg.attn_logit_softcapping)
+    a = be.reshape(a, (t, hq * hd))
+    if capture is not None:
+        capture["o_proj"] = a
+    o = be.linear(a, lw["o_proj"])
+    if cfg.sandwich_norms:  # gemma: norm the branch output, then a separate pre-FFN norm
+        o = be.rmsnorm(o, lw["post_attention_layernorm"], eps, off)
+        x = be.add(x, o)
+        h = be.rmsnorm(x, lw["pre_feedforward_layernorm"], eps, off)
+    else:
+        x = be.add(x, o)
+        h = be.rmsnorm(x, lw["post_attention_layernorm"], eps, off)
+    if capture is not None:
+        capture["gate_proj"] = h
+    act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
+    m = be.glu(be.linear(h, lw["gate_proj"]), be.linear(h, lw["up_proj"]), act)
+    if capture is not None:
+        capture["down_proj"] = m
+    d = be.linear(m, lw["down_proj"])
+    if cfg.sandwich_norms:
+        d = be.rmsnorm(d, lw["post_feedforward_layernorm"], eps, off)
+    return be.add(x, d)
+
+
+class Transformer:
+    """A model's weights uploaded to a backend, plus the forward pass.
+
+    Args:
+        cfg: the model config.
+        tensors: canonical name -> float32 array or QuantizedTensor (e.g. ``ModelSource.tensors``).
+        backend: where weights live and ops run.
+        max_positions: RoPE table length (positions the model may be asked for).
+
+    Raises:
+        KeyError: a required tensor is missing (readers validate before this).
+    """
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], backend: Backend,
+                 max_positions: int | None = None):
+        self.cfg = cfg
+        self.backend = backend
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        be = backend
+        self.embed_tokens = be.upload_embedding(tensors["model.embed_tokens.weight"])
+        if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = be.upload_weight(tensors["lm_head.weight"])
+        self.norm = be.upload(tensors["model.norm.weight"])
+        self.layers = [upload_layer(be, tensors, i) for i in range(cfg.num_hidden_layers)]
+        # One (cos, sin) pair per distinct RoPE base (gemma3 has a local and a global one).
+        self._rope: dict[float, tuple[Any, Any]] = {}
+        for i in range(cfg.num_hidden_layers):
+            theta = cfg.layer_rope_theta(i)
+            if theta not in self._rope:
+                cos, sin = rope_tables(cfg, self.max_positions, theta)
+                self._rope[theta] = (be.upload(cos), be.upload(sin))
+
+    def new_cache(self, max_tokens: int, dtype: str = "f32") -> Any:
+        """Preallocate a KV cache for ``max_tokens`` positions (see ``Backend.new_kv_cache``)."""
+        c = self.cfg
+        return self.backend.new_kv_cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                         max_tokens, dtype)
+
+    def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False) -> np.ndarray:
+        """Run T tokens starting at position ``cache.length``; T > 1 is prefill, T == 1 decode.
+
+        Args:
+            ids: int32 [T] token ids.
+            cache: KV cache; its ``length`` advances by T.
+            all_logits: return logits of every position (perplexity) instead of the last.
+
+        Returns:
+            float32 numpy logits [T, V] if ``all_logits`` else [1, V].
+
+        Raises:
+            ValueError: the positions exceed the cache or the RoPE table.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        t = ids.shape[0]
+        start = cache.length
+        if start + t > self.max_positions:
+            raise ValueError(f"positions up to {start + t} exceed the model's table of "
+                             f"{self.max_positions}")
+        positions = np.arange(start, start + t, dtype=np.int32)
+        be, cfg = self.backend, self.cfg
+        x = be.embed(self.embed_tokens, ids, cfg.embed_scale)
+        for i, lw in enumerate(self.layers):
+            x = decoder_layer(be, cfg, lw, x, positions, self._rope[cfg.layer_rope_theta(i)],
+                              cache, i, i)
+        cache.length = start + t
+        if not all_logits:
+            x = be.select_rows(x, slice(t - 1, t))
+        x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        return be.logits(x, self.lm_head, cfg.final_logit_softcapping)
