@@ -1,0 +1,357 @@
+"""The ``edgeinfer`` command: argument parsing and user-facing output only.
+
+Subcommands: pull, info, generate, chat, convert, perplexity, bench. Errors that
+edgeinfer raises on purpose print as one line (``error: ...``) with exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+
+from edgeinfer.errors import EdgeInferError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+# ---- shared options --------------------------------------------------------------------
+def _add_runtime_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    if model_required:
+        p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                       help=f"path (HF folder, .gguf, .eif) or catalog name (default {DEFAULT_MODEL})")
+    p.add_argument("--backend", choices=["cpu", "reference", "opencl"], default=None,
+                   help="compute backend (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--device", default=None, help="OpenCL device index or name")
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default 4096)")
+    p.add_argument("--kv-dtype", default="f32", help="KV cache dtype (f32, f16)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", "--temp", type=float, default=temperature,
+                   help=f"0 = greedy (default {temperature})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+
+
+def _load(args):
+    import edgeinfer.api as api
+    from edgeinfer.catalog import resolve_model
+    from edgeinfer.readers import read_model
+
+    path = resolve_model(args.model, progress=not getattr(args, "quiet", False))
+    return api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
+                     kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
+                     prefill_chunk=args.prefill_chunk)
+
+
+def _print_stats(stats, stream=sys.stderr) -> None:
+    print(f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
+          f"{stats.generated_tokens} generated; TTFT {stats.ttft_s * 1000:.0f} ms, "
+          f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
+          f"ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} MiB, "
+          f"peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
+
+
+# ---- subcommands -----------------------------------------------------------------------
+def cmd_pull(args) -> int:
+    from edgeinfer.catalog import pull
+
+    print(pull(args.name, progress=not args.quiet))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from edgeinfer.catalog import resolve_model
+    from edgeinfer.readers import read_model
+
+    path = resolve_model(args.model, progress=True)
+    if str(path).endswith(".eif"):
+        from edgeinfer.container import describe_eif
+        info = describe_eif(str(path))
+    else:
+        src = read_model(str(path))
+        c = src.config
+        size = (sum(f.stat().st_size for f in path.iterdir()) if path.is_dir()
+                else path.stat().st_size)
+        info = {
+            "path": str(path), "format": src.format, "architecture": c.model_type,
+            "parameters": c.param_count(), "file_bytes": size,
+            "context": c.max_position_embeddings, "layers": c.num_hidden_layers,
+            "hidden": c.hidden_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
+            "rope_theta": c.rope_theta, "tied_embeddings": c.tie_word_embeddings,
+            "eos_token_ids": c.eos_token_ids, "chat_template": bool(src.chat_template),
+            "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
+        }
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        for k, v in info.items():
+            if isinstance(v, (dict, list)) and len(json.dumps(v, default=str)) > 100:
+                v = json.dumps(v, default=str)[:100] + "..."
+            print(f"{k:24s} {v}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    final = None
+    for ev in model.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
+                           **_sampling(args)):
+        if ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        final = ev
+    sys.stdout.write("\n")
+    if args.verbose and final is not None:
+        print(f"[finish: {final.finish_reason}]", file=sys.stderr)
+        _print_stats(final.stats)
+    return 0
+
+
+CHAT_HELP = """commands: /help  /reset (forget the conversation)  /system TEXT  /stats  /exit
+Ctrl-C stops the current answer; Ctrl-D (or /exit) quits."""
+
+
+def cmd_chat(args) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"loading {args.model} ...", file=sys.stderr)
+    model = _load(args)
+    system = args.system
+    messages: list[dict] = []
+    last_stats = None
+    if interactive:
+        print(f"edgeinfer chat — {args.model} ({model.backend.name} backend). /help for commands.",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, rest = text.partition(" ")
+            if cmd in ("/exit", "/quit", "/bye"):
+                break
+            if cmd == "/help":
+                print(CHAT_HELP)
+            elif cmd == "/reset":
+                messages.clear()
+                print("[conversation cleared]")
+            elif cmd == "/system":
+                system = rest.strip() or None
+                messages.clear()
+                print("[system prompt set; conversation cleared]")
+            elif cmd == "/stats":
+                if last_stats:
+                    _print_stats(last_stats, sys.stdout)
+                else:
+                    print("[no answer yet]")
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+            continue
+        messages.append({"role": "user", "content": text})
+        convo = ([{"role": "system", "content": system}] if system else []) + messages
+        cancel = threading.Event()
+        reply = []
+        try:
+            for ev in model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
+                                        cancel=cancel, **_sampling(args)):
+                if ev.text:
+                    reply.append(ev.text)
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                if ev.stats is not None:
+                    last_stats = ev.stats
+        except KeyboardInterrupt:
+            print("\n[stopped]", end="")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(reply).strip()})
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from edgeinfer.catalog import resolve_model
+    from edgeinfer.quant.convert import convert
+
+    src = resolve_model(args.model, progress=not args.quiet)
+    report = convert(str(src), args.output, method=args.method, bits=args.bits,
+                     group_size=args.group_size, symmetric=args.symmetric,
+                     embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
+                     seed=args.seed, act_order=args.act_order, progress=not args.quiet)
+    print(json.dumps(report, indent=None if args.json else 2, default=str))
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from edgeinfer.perplexity import perplexity
+
+    model = _load(args)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    ids = model.tokenizer.encode(text, add_special=False)
+    res = perplexity(model.transformer, ids, n_ctx=args.chunk, n_chunks=args.chunks,
+                     bos_id=model.tokenizer.bos_id if model.tokenizer.add_bos_token else None,
+                     progress=not args.quiet)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"perplexity {res['ppl']:.4f} over {res['n_tokens']} scored tokens "
+              f"({res['chunks']} chunks of {args.chunk})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import numpy as np
+
+    from edgeinfer.engine import peak_rss_mb
+
+    import time
+    t0 = time.perf_counter()
+    model = _load(args)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    v = model.config.vocab_size
+    results = []
+    for _ in range(args.repeat):
+        ids = rng.integers(100, min(v, 30000), size=args.prompt_tokens).tolist()
+        model.engine.reset()
+        final = None
+        for ev in model.engine.stream(ids, max_tokens=args.gen_tokens, stop=()):
+            final = ev
+        # random prompts may hit EOS early: only count full runs' stats
+        results.append(final.stats)
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    out = {
+        "model": args.model, "backend": model.backend.name,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "load_s": load_s,
+        "prefill_tok_s": med([s.prefill_tok_s for s in results]),
+        "ttft_s": med([s.ttft_s for s in results]),
+        "decode_tok_s": med([s.decode_tok_s for s in results]),
+        "itl_s": med([s.itl_mean_s for s in results]),
+        "generated": [s.generated_tokens for s in results],
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, val in out.items():
+            print(f"{k:16s} {val:.4g}" if isinstance(val, float) else f"{k:16s} {val}")
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgeinfer", description="Quantized on-device LLM inference.")
+    p.add_argument("--log-level", default=os.environ.get("EDGEINFER_LOG", "WARNING"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pull", help="fetch a catalog model into the cache")
+    s.add_argument("name")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("info", help="describe a model (architecture, size, quantization)")
+    s.add_argument("model")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("generate", help="complete a prompt")
+    _add_runtime_args(s)
+    _add_sampling_args(s, temperature=0.0)
+    s.add_argument("--prompt", "-p", required=True)
+    s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("chat", help="chat in the terminal")
+    _add_runtime_args(s)
+    _add_sampling_args(s, temperature=0.7)
+    s.add_argument("--system", default=None, help="system prompt")
+    s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file")
+    s.add_argument("model", help="HF folder, .gguf file or catalog name")
+    s.add_argument("--output", "-o", required=True)
+    s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
+    s.add_argument("--bits", type=int, default=4)
+    s.add_argument("--group-size", type=int, default=128, help="-1 = per-channel")
+    s.add_argument("--symmetric", action="store_true")
+    s.add_argument("--embed-bits", type=int, default=8)
+    s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
+    s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")
+    s.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by activation order")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("perplexity", help="perplexity on a text file (llama.cpp's method)")
+    s.add_argument("model")
+    _add_runtime_args(s, model_required=False)
+    s.add_argument("--text", required=True)
+    s.add_argument("--chunk", type=int, default=512)
+    s.add_argument("--chunks", type=int, default=None, help="limit the number of chunks")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_perplexity)
+
+    s = sub.add_parser("bench", help="measure load, prefill and decode speed")
+    s.add_argument("model")
+    _add_runtime_args(s, model_required=False)
+    s.add_argument("--prompt-tokens", type=int, default=256)
+    s.add_argument("--gen-tokens", type=int, default=128)
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command in ("info", "perplexity", "bench") and not hasattr(args, "model"):
+        pass
+    try:
+        return args.func(args)
+    except EdgeInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"error: file not found: {e.filename or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The Python API desktop apps embed.
+
+>>> import edgeinfer
+>>> model = edgeinfer.load("smollm2-135m-instruct")          # doctest: +SKIP
+>>> model.chat([{"role": "user", "content": "Hi!"}], max_tokens=32)  # doctest: +SKIP
+
+A :class:`Model` owns one engine (weights on a backend + one KV cache). Calls are
+serialized with a lock, so a model may be shared between threads; each call can be
+cancelled from another thread with a :class:`threading.Event` passed as ``cancel``.
+Nothing here prints; diagnostics go to the ``edgeinfer`` logger.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .engine import Engine, GenerationEvent
+from .errors import BackendUnavailableError
+from .sampling import SamplingParams
+from .source import ModelSource
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("edgeinfer")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CTX = 4096
+
+
+def default_backend() -> str:
+    """The CPU (Numba) backend when it can be imported, else the numpy reference."""
+    try:
+        import edgeinfer.backends.cpu  # noqa: F401
+        return "cpu"
+    except ImportError as e:  # numba missing or broken: still usable, slowly
+        log.warning("CPU backend unavailable (%s); using the reference backend", e)
+        return "reference"
+
+
+def tokenizer_for(source: ModelSource) -> Tokenizer:
+    """Build the runtime tokenizer of a model source."""
+    return Tokenizer.from_json_text(
+        source.tokenizer_json,
+        bos_token=source.bos_token,
+        eos_token=source.eos_token,
+        add_bos_token=source.add_bos_token,
+        chat_template=source.chat_template,
+        extra_eos_ids=tuple(source.config.eos_token_ids),
+    )
+
+
+class Model:
+    """A loaded model ready to generate.
+
+    Args:
+        source: the model description (from :func:`edgeinfer.readers.read_model`).
+        backend: "cpu", "reference" or "opencl" (default: :func:`default_backend`).
+        n_ctx: context length in tokens (KV cache positions preallocated).
+        kv_dtype: KV cache storage dtype ("f32", "f16", ...).
+        threads: CPU threads (cpu backend).
+        device: OpenCL device (opencl backend).
+
+    Raises:
+        BackendUnavailableError: the backend cannot run here.
+    """
+
+    def __init__(self, source: ModelSource, backend: str | None = None, n_ctx: int | None = None,
+                 kv_dtype: str = "f32", threads: int | None = None, device: str | None = None,
+                 prefill_chunk: int = 512):
+        from .backends import get_backend
+        from .models.transformer import Transformer
+
+        self.source = source
+        self.config = source.config
+        self.tokenizer = tokenizer_for(source)
+        name = backend or default_backend()
+        opts = {}
+        if threads is not None:
+            opts["threads"] = threads
+        if device is not None:
+            opts["device"] = device
+        try:
+            self.backend = get_backend(name, **opts)
+        except ImportError as e:
+            raise BackendUnavailableError(f"backend {name!r} cannot be imported: {e}") from e
+        n_ctx = n_ctx or min(DEFAULT_CTX, source.config.max_position_embeddings)
+        t0 = time.perf_counter()
+        self.transformer = Transformer(source.config, source.tensors, self.backend,
+                                       max_positions=max(n_ctx, 1))
+        self.load_s = time.perf_counter() - t0
+        self.engine = Engine(self.transformer, self.tokenizer, n_ctx=n_ctx, kv_dtype=kv_dtype,
+                             prefill_chunk=prefill_chunk)
+        self._lock = threading.Lock()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    # ---- prompts ---------------------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a plain-text prompt (BOS added once if the model wants it)."""
+        return self.tokenizer.encode(prompt, add_special=True)
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template
+        (generation prompt added). Falls back to a plain "role: content" layout for
+        models without a template."""
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        from .tokenizer import plain_prompt
+        return self.tokenizer.encode(plain_prompt(list(messages)), add_special=True)
+
+    # ---- generation ------------------------------------------------------------------
+    def stream_ids(self, ids: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
+                   cancel: threading.Event | None = None, **sampling) -> Iterator[GenerationEvent]:
+        """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
+
+        ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
+        min_p, repetition_penalty, seed). Default: greedy (temperature 0).
+        """
+        sampling.setdefault("temperature", 0.0)
+        params = SamplingParams(**sampling)
+        with self._lock:
+            yield from self.engine.stream(list(ids), params=params, max_tokens=max_tokens,
+                                          stop=stop, cancel=cancel)
+
+    def stream(self, prompt: str, **kw) -> Iterator[GenerationEvent]:
+        """Stream a completion of a plain-text prompt."""
+        return self.stream_ids(self.encode_prompt(prompt), **kw)
+
+    def generate(self, prompt: str, **kw) -> str:
+        """Complete a plain-text prompt; returns the generated text."""
+        return "".join(ev.text for ev in self.stream(prompt, **kw))
+
+    def chat_stream(self, messages: Sequence[dict], **kw) -> Iterator[GenerationEvent]:
+        """Stream the assistant's reply to OpenAI-style messages ``[{"role", "content"}]``."""
+        return self.stream_ids(self.encode_chat(messages), **kw)
+
+    def chat(self, messages: Sequence[dict], **kw) -> str:
+        """The assistant's reply to OpenAI-style messages, as a string."""
+        return "".join(ev.text for ev in self.chat_stream(messages, **kw))
+
+
+def load(path_or_name: str | Path, **kw) -> Model:
+    """Load a model by path (HF folder, .gguf, .eif) or catalog name (pulled if needed).
+
+    Keyword arguments go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device).
+
+    Raises:
+        edgeinfer.errors.ModelFormatError: unreadable or inconsistent model.
+        edgeinfer.errors.CatalogError: an unknown name, or a pull that failed.
+    """
+    from .catalog import resolve_model
+    from .readers import read_model
+
+    path = resolve_model(str(path_or_name))
+    return Model(read_model(str(path)), **kw)

@@ -1,0 +1,229 @@
+"""Chat templates: render a list of messages to prompt text with a model's Jinja template.
+
+The environment matches what Hugging Face transformers uses for ``apply_chat_template``
+(``transformers/utils/chat_template_utils.py``), so that a template taken from a model's
+``tokenizer_config.json`` / ``chat_template.jinja`` renders the same text here:
+
+- ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks=True`` and
+  ``lstrip_blocks=True`` (templates are untrusted code from the Hub; the sandbox blocks
+  attribute escapes and the immutable variant blocks ``list.append`` and friends).
+  ``keep_trailing_newline`` is left at Jinja's default (False), as in HF.
+- the ``loopcontrols`` extension (``{% break %}`` / ``{% continue %}``) and a
+  ``{% generation %}...{% endgeneration %}`` tag that just renders its body (HF uses it
+  to track assistant tokens for training masks; inference only needs it to parse).
+- globals ``raise_exception(msg)`` and ``strftime_now(fmt)``; filter ``tojson`` with
+  ``ensure_ascii=False`` (Jinja's built-in one HTML-escapes ``<>&'``, HF's does not).
+- the template sees ``messages``, ``add_generation_prompt``, ``tools`` (None unless
+  given), the special-token strings (``bos_token``, ``eos_token``, ...) and any extra
+  keyword (e.g. ``date_string``, ``enable_thinking``). Messages are copied to plain JSON
+  types and keys whose value is None are dropped (HF does the same: many templates
+  render a literal "None" for ``content=None`` but handle a missing key).
+
+The rendered text already contains every control token the model expects (BOS
+included, where the template writes ``{{ bos_token }}``); it must be tokenized WITHOUT
+adding special tokens again (case C07, transformers#37686, llama-cpp-python#1439).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edgeinfer.errors import EdgeInferError
+
+__all__ = ["ChatTemplateError", "compile_chat_template", "render_chat_template", "plain_prompt"]
+
+
+class ChatTemplateError(EdgeInferError, jinja2.TemplateError, ValueError):
+    """A chat template failed to compile or render, or called ``raise_exception``.
+
+    For ``raise_exception(msg)`` the message is exactly the template's ``msg`` (e.g.
+    "Conversation roles must alternate user/assistant/user/assistant/..."). It is a
+    ``jinja2.TemplateError`` (what HF raises) and a ``ValueError`` (what edgeinfer's
+    tokenizer documents), so callers may catch either.
+    """
+
+
+def _raise_exception(message: str) -> None:
+    """Template global: abort rendering with the template's own message."""
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    """Template global: local time formatted with ``fmt`` (Llama-3.x writes today's date)."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Template filter ``tojson``, same signature and output as HF's override."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}body{% endgeneration %}`` renders ``body`` unchanged.
+
+    HF's ``AssistantTracker`` records where assistant text lies for training masks; a
+    template using the tag must still parse here, and inference needs only the text.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+@functools.lru_cache(maxsize=32)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template once; later calls with the same string hit the cache.
+
+    Args:
+        template: the Jinja source (``chat_template`` of a tokenizer config).
+
+    Returns:
+        A compiled ``jinja2.Template`` bound to the sandboxed environment described in
+        the module docstring.
+
+    Raises:
+        ChatTemplateError: the template has a syntax error (the message names the line)
+            or is not a string.
+    """
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"chat template must be a string, got {type(template).__name__}")
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"chat template does not compile (line {e.lineno}): {e.message}") from e
+
+
+def _plain(value: Any) -> Any:
+    """Copy ``value`` to plain JSON-like types (str/int/float/bool/None/dict/list/tuple).
+
+    Objects the sandbox cannot vouch for become the placeholder "<TypeName>", as in HF's
+    ``_plain_template_data``; numpy scalars become Python scalars.
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
+        return _plain(value.item())  # numpy scalar
+    return f"<{type(value).__name__}>"
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` with a chat template, as HF ``apply_chat_template(tokenize=False)``.
+
+    Args:
+        template: Jinja source of the chat template.
+        messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]``.
+            Each must be a mapping; keys whose value is None are dropped.
+        add_generation_prompt: append the header that opens the assistant's turn.
+        bos_token, eos_token: the special-token strings; omitted from the template
+            variables when None (so ``{{ bos_token }}`` renders "" rather than "None").
+        tools: JSON-schema dicts of callable tools, for templates that support them.
+        **extra: more template variables (``pad_token``, ``date_string``,
+            ``enable_thinking``, ...). They override the special tokens if both are given.
+
+    Returns:
+        The prompt text, control tokens included.
+
+    Raises:
+        ChatTemplateError: the template calls ``raise_exception`` (message passed through
+            unchanged), fails to compile, or fails while rendering (e.g. a sandbox
+            violation or a type error inside the template).
+        TypeError: a message is not a mapping.
+    """
+    plain_messages = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat message {i} must be a mapping with 'role' and 'content', "
+                            f"got {type(message).__name__}")
+        plain_messages.append({k: _plain(v) for k, v in message.items() if v is not None})
+    variables: dict[str, Any] = {}
+    if bos_token is not None:
+        variables["bos_token"] = bos_token
+    if eos_token is not None:
+        variables["eos_token"] = eos_token
+    variables.update({k: _plain(v) for k, v in extra.items()})
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(
+            messages=plain_messages,
+            add_generation_prompt=bool(add_generation_prompt),
+            tools=_plain(list(tools)) if tools is not None else None,
+            **variables,
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as e:  # sandbox violations, undefined-attribute errors
+        raise ChatTemplateError(f"chat template failed to render: {e}") from e
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise ChatTemplateError(
+            f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+
+def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Fallback prompt for models without a chat template (base models).
+
+    The message contents joined by a blank line ("\\n\\n"), in order, without role
+    labels: a single user message becomes its text verbatim, which is what a base model
+    should continue. List contents (multimodal parts) contribute their "text" parts.
+    Encode the result with ``Tokenizer.encode(text, add_special=True)`` so that the model's
+    ``add_bos_token`` setting still applies exactly once (case C07).
+
+    Raises:
+        TypeError: a message is not a mapping, or its content is neither str nor list.
+    """
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"chat message {i} must be a mapping, got {type(m).__name__}")
+        content = m.get("content")
+        if content is None:
+            continue
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.append("".join(p.get("text", "") for p in content
+                                 if isinstance(p, Mapping) and p.get("type", "text") == "text"))
+        else:
+            raise TypeError(f"chat message {i} content must be str or list, got {type(content).__name__}")
+    return "\n\n".join(parts)

@@ -1,0 +1,248 @@
+"""The generation engine: prefill, decode loop, stop conditions, prefix reuse, stats.
+
+Layered generators (as mlx-lm's ``generate_step`` → ``stream_generate`` → ``generate``):
+:meth:`Engine.stream` yields :class:`GenerationEvent` s (a text delta with its token id,
+then one final event carrying the finish reason and :class:`GenerationStats`);
+:meth:`Engine.generate` joins them into a string.
+
+Policy (documented for users):
+
+* Prefill runs in chunks of ``prefill_chunk`` tokens, so scratch memory is bounded.
+* Prefix reuse: the engine remembers the token ids held in its KV cache. A new prompt
+  that shares a prefix with them keeps that part of the cache and computes only the
+  rest; the last prompt token is always recomputed (its logits are needed).
+* A prompt longer than the context raises :class:`ContextOverflowError` (nothing is
+  truncated silently); generation that reaches the end of the context stops with
+  finish reason ``"length"``.
+* Stops on any EOS id (config + generation config + tokenizer), on stop strings (text
+  that may still become one is held back), on ``max_tokens`` ("length"), or when the
+  caller's cancel event is set ("cancelled").
+"""
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .detokenizer import StreamingDetokenizer
+from .errors import ContextOverflowError
+from .sampling import SamplingParams, sample
+from .stopping import StopChecker
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    """Timing and size figures of one generation.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt.
+        reused_tokens: prompt tokens whose KV came from the previous call (prefix reuse).
+        generated_tokens: tokens sampled.
+        ttft_s: seconds from the call to the first sampled token (prefill + 1 sample).
+        prefill_tok_s: prompt tokens computed per second.
+        decode_tok_s: generated tokens per second after the first.
+        itl_mean_s / itl_p90_s: inter-token latency, seconds.
+        kv_bytes: bytes of KV cache in use (positions held × bytes per position).
+        peak_rss_mb: the process's peak resident memory, MiB.
+    """
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    itl_mean_s: float = 0.0
+    itl_p90_s: float = 0.0
+    kv_bytes: int = 0
+    peak_rss_mb: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationEvent:
+    """One step of a generation stream.
+
+    ``text`` is the new printable text (may be empty while a multi-byte character or a
+    possible stop string is held back); ``token`` the sampled id (None on the final
+    event); ``finish_reason`` and ``stats`` are set on the final event only:
+    "stop" (EOS or stop string), "length" (max_tokens or context full), "cancelled".
+    """
+
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (Linux ru_maxrss is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Engine:
+    """A model on a backend with one KV cache: the unit that generates.
+
+    Not thread-safe by itself: :class:`edgeinfer.api.Model` serializes callers with a lock.
+
+    Args:
+        model: a :class:`edgeinfer.models.transformer.Transformer`.
+        tokenizer: the model's :class:`Tokenizer`.
+        n_ctx: context length (positions preallocated in the KV cache).
+        kv_dtype: KV cache storage dtype.
+        prefill_chunk: tokens per prefill forward call.
+    """
+
+    model: object
+    tokenizer: Tokenizer
+    n_ctx: int = 4096
+    kv_dtype: str = "f32"
+    prefill_chunk: int = 512
+    cache: object = None
+    cached_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.n_ctx, self.kv_dtype)
+
+    # ---- low level -------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the cached prefix."""
+        self.cache.reset()
+        self.cached_ids = []
+
+    def prefill(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Make the cache hold exactly ``ids`` and return the last position's logits.
+
+        Reuses the longest common prefix with what the cache already holds (always
+        recomputing at least the last token).
+
+        Returns:
+            (logits float32 [V], number of reused tokens).
+
+        Raises:
+            ContextOverflowError: ``len(ids)`` exceeds the context.
+            ValueError: empty prompt.
+        """
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
+                f"shorten the prompt or raise the context (--ctx / more --max-memory)"
+            )
+        keep = min(common_prefix_len(self.cached_ids, ids), len(ids) - 1)
+        self.cache.trim(min(keep, self.cache.length))
+        keep = self.cache.length
+        self.cached_ids = list(ids[:keep])
+        logits = None
+        for s in range(keep, len(ids), self.prefill_chunk):
+            chunk = ids[s:s + self.prefill_chunk]
+            logits = self.model.forward(np.asarray(chunk, np.int32), self.cache)
+            self.cached_ids.extend(chunk)
+        return logits[-1], keep
+
+    def decode_one(self, token: int) -> np.ndarray:
+        """Append one token and return the next logits float32 [V]."""
+        logits = self.model.forward(np.asarray([token], np.int32), self.cache)
+        self.cached_ids.append(int(token))
+        return logits[-1]
+
+    # ---- generation ------------------------------------------------------------------
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               max_tokens: int = 256, stop: Sequence[str] = (),
+               cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        """Generate from ``prompt_ids``, yielding events (see :class:`GenerationEvent`).
+
+        Args:
+            prompt_ids: the full prompt (chat template already applied).
+            params: sampling settings (default: greedy).
+            max_tokens: most tokens to generate.
+            stop: stop strings; matched text is not emitted.
+            cancel: checked between steps; when set the stream ends with "cancelled".
+
+        Raises:
+            ContextOverflowError: the prompt does not fit the context.
+        """
+        params = params or SamplingParams(temperature=0.0)
+        rng = np.random.default_rng(params.seed)
+        tok = self.tokenizer
+        detok = StreamingDetokenizer(tok)
+        stopper = StopChecker(tok.eos_ids, list(stop), max_tokens)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        logits, reused = self.prefill(list(prompt_ids))
+        stats.reused_tokens = reused
+        t_prefill = time.perf_counter() - t0
+        stats.prefill_tok_s = (len(prompt_ids) - reused) / max(t_prefill, 1e-9)
+        history = list(prompt_ids)
+        step_times: list[float] = []
+        finish = None
+        t_last = t0
+        while finish is None:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            token = sample(logits, params, rng, history)
+            now = time.perf_counter()
+            if stats.generated_tokens == 0:
+                stats.ttft_s = now - t0
+            else:
+                step_times.append(now - t_last)
+            t_last = now
+            stats.generated_tokens += 1
+            history.append(token)
+            finish = stopper.on_token(token)
+            if finish is not None and token in tok.eos_ids:
+                break
+            text, finish_text = stopper.feed(detok.add(token))
+            if text:
+                yield GenerationEvent(text=text, token=token)
+            elif finish_text is None:
+                yield GenerationEvent(text="", token=token)
+            finish = finish or finish_text
+            if finish is not None:
+                break
+            if self.cache.length >= self.n_ctx:
+                finish = "length"
+                break
+            logits = self.decode_one(token)
+        if finish != "stop" or not stopper.stopped_by_string:
+            tail, _ = stopper.feed(detok.flush())
+            tail += stopper.flush()
+            if tail:
+                yield GenerationEvent(text=tail)
+        if step_times:
+            st = np.asarray(step_times)
+            stats.itl_mean_s = float(st.mean())
+            stats.itl_p90_s = float(np.percentile(st, 90))
+            stats.decode_tok_s = 1.0 / stats.itl_mean_s
+        stats.kv_bytes = int(self.cache.length * self.cache.nbytes // self.cache.max_tokens)
+        stats.peak_rss_mb = peak_rss_mb()
+        yield GenerationEvent(finish_reason=finish, stats=stats)
+
+    def generate(self, prompt_ids: Sequence[int], **kw) -> tuple[str, GenerationEvent]:
+        """Run :meth:`stream` to the end; returns (text, final event)."""
+        parts = []
+        last = None
+        for ev in self.stream(prompt_ids, **kw):
+            parts.append(ev.text)
+            last = ev
+        return "".join(parts), last
