@@ -1,6 +1,6 @@
 """The ``edgeinfer`` command: argument parsing and user-facing output only.
 
-Subcommands: pull, info, generate, chat, convert, perplexity, bench. Errors that
+Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve. Errors that
 edgeinfer raises on purpose print as one line (``error: ...``) with exit status 1.
 """
 from __future__ import annotations
@@ -267,6 +267,32 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
+def cmd_serve(args) -> int:
+    try:
+        from edgeinfer.server import default_model_name, serve
+    except ImportError as e:
+        print(f"error: `edgeinfer serve` needs the serve extra: pip install 'edgeinfer[serve]' "
+              f"({e.name} is missing)", file=sys.stderr)
+        return 1
+    model = _load(args)
+    # a catalog name is a nicer id than the cached file's name; a path gives its stem
+    name = args.model_name or (default_model_name(model) if os.path.exists(args.model)
+                               else args.model)
+    key_note = " (API key required)" if args.api_key else ""
+    serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
+          log_level=str(args.log_level).lower(),
+          on_listening=lambda url: print(f"serving {name} ({model.backend.name} backend) at "
+                                         f"{url}{key_note}; Ctrl-C stops", file=sys.stderr))
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgeinfer", description="Quantized on-device LLM inference.")
@@ -330,6 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_runtime_args(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
+    s.add_argument("--api-key", default=os.environ.get("EDGEINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $EDGEINFER_API_KEY, else no key)")
+    s.add_argument("--model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: --model)")
+    s.set_defaults(func=cmd_serve)
     return p
 
 

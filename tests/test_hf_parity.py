@@ -28,12 +28,19 @@ def _ours_greedy(src, ids, n):
 
 
 def _hf_greedy(hf, ids, n):
+    # A plain greedy loop over HF's own KV cache (not `generate`, whose EOS handling
+    # would stop or suppress tokens differently from this raw comparison).
     with torch.no_grad():
-        x = torch.tensor([ids])
-        first = hf(x).logits[0].float().numpy()
-        out = hf.generate(x, max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                          pad_token_id=0)
-    return first, out[0, len(ids):].tolist()
+        out = hf(torch.tensor([ids]), use_cache=True)
+        first = out.logits[0].float().numpy()
+        past, toks = out.past_key_values, []
+        nxt = int(first[-1].argmax())
+        for _ in range(n):
+            toks.append(nxt)
+            out = hf(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = int(out.logits[0, -1].argmax())
+    return first, toks
 
 
 def _check(src, hf, ids, n, bound):

