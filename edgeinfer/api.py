@@ -105,8 +105,8 @@ class Model:
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template
-        (generation prompt added). Falls back to a plain "role: content" layout for
-        models without a template."""
+        (generation prompt added). Models without a template get the message contents
+        joined by blank lines (:func:`edgeinfer.chat_template.plain_prompt`)."""
         if self.tokenizer.chat_template:
             return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
         from .tokenizer import plain_prompt
@@ -119,12 +119,34 @@ class Model:
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
         min_p, repetition_penalty, seed). Default: greedy (temperature 0).
+
+        Arguments are checked here, before the first ``next()``; the model's lock is taken
+        when iteration starts and released when the stream ends or is closed (use
+        ``contextlib.closing`` if you may abandon a stream half-read). While waiting for
+        the lock, and between prefill chunks, ``cancel`` is honoured.
+
+        Raises:
+            ValueError: invalid sampling values or ``max_tokens`` < 1.
+            ContextOverflowError: the prompt does not fit the context.
         """
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(**sampling)
-        with self._lock:
-            yield from self.engine.stream(list(ids), params=params, max_tokens=max_tokens,
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        ids = list(ids)
+        self.engine.check_prompt(ids)
+        return self._locked_stream(ids, params, max_tokens, stop, cancel)
+
+    def _locked_stream(self, ids, params, max_tokens, stop, cancel):
+        while not self._lock.acquire(timeout=0.05):
+            if cancel is not None and cancel.is_set():
+                yield GenerationEvent(finish_reason="cancelled", stats=None)
+                return
+        try:
+            yield from self.engine.stream(ids, params=params, max_tokens=max_tokens,
                                           stop=stop, cancel=cancel)
+        finally:
+            self._lock.release()
 
     def stream(self, prompt: str, **kw) -> Iterator[GenerationEvent]:
         """Stream a completion of a plain-text prompt."""

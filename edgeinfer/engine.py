@@ -128,32 +128,45 @@ class Engine:
         self.cache.reset()
         self.cached_ids = []
 
-    def prefill(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
-        """Make the cache hold exactly ``ids`` and return the last position's logits.
-
-        Reuses the longest common prefix with what the cache already holds (always
-        recomputing at least the last token).
-
-        Returns:
-            (logits float32 [V], number of reused tokens).
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        """Raise if a prompt cannot be run.
 
         Raises:
-            ContextOverflowError: ``len(ids)`` exceeds the context.
             ValueError: empty prompt.
+            ContextOverflowError: ``len(ids)`` exceeds the context.
         """
-        if not ids:
+        if len(ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
                 f"shorten the prompt or raise the context (--ctx / more --max-memory)"
             )
+
+    def prefill(self, ids: Sequence[int], cancel: threading.Event | None = None
+                ) -> tuple[np.ndarray | None, int]:
+        """Make the cache hold exactly ``ids`` and return the last position's logits.
+
+        Reuses the longest common prefix with what the cache already holds (always
+        recomputing at least the last token).
+
+        Returns:
+            (logits float32 [V], number of reused tokens); logits is None when ``cancel``
+            was set between prefill chunks (the cache then holds a valid shorter prefix).
+
+        Raises:
+            ContextOverflowError: ``len(ids)`` exceeds the context.
+            ValueError: empty prompt.
+        """
+        self.check_prompt(ids)
         keep = min(common_prefix_len(self.cached_ids, ids), len(ids) - 1)
         self.cache.trim(min(keep, self.cache.length))
         keep = self.cache.length
         self.cached_ids = list(ids[:keep])
         logits = None
         for s in range(keep, len(ids), self.prefill_chunk):
+            if cancel is not None and cancel.is_set():
+                return None, keep
             chunk = ids[s:s + self.prefill_chunk]
             logits = self.model.forward(np.asarray(chunk, np.int32), self.cache)
             self.cached_ids.extend(chunk)
@@ -188,7 +201,7 @@ class Engine:
         stopper = StopChecker(tok.eos_ids, list(stop), max_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
-        logits, reused = self.prefill(list(prompt_ids))
+        logits, reused = self.prefill(list(prompt_ids), cancel)
         stats.reused_tokens = reused
         t_prefill = time.perf_counter() - t0
         stats.prefill_tok_s = (len(prompt_ids) - reused) / max(t_prefill, 1e-9)
