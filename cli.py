@@ -124,8 +124,74 @@ def cmd_generate(args) -> int:
     return 0
 
 
-CHAT_HELP = """commands: /help  /reset (forget the conversation)  /system TEXT  /stats  /exit
-Ctrl-C stops the current answer; Ctrl-D (or /exit) quits."""
+CHAT_HELP = """commands:
+  /help            this text
+  /reset           forget the conversation (the system prompt stays)
+  /system TEXT     set the system prompt (and start over)
+  /stats           TTFT, tokens/s, KV cache use and memory of the last answer
+  /save FILE       save the conversation as JSON;  /load FILE  load one
+  /exit            quit (or Ctrl-D)
+Type \"\"\" on a line of its own to start and end a multi-line message.
+Ctrl-C stops the current answer and keeps the conversation."""
+
+
+def _read_message(prompt: str) -> str:
+    """One user message: a line, or a block between two lines of triple quotes."""
+    line = input(prompt)
+    if line.strip() != '"""':
+        return line
+    lines = []
+    while True:
+        more = input("... " if prompt else "")
+        if more.strip() == '"""':
+            return "\n".join(lines)
+        lines.append(more)
+
+
+def _chat_command(text: str, state: dict) -> bool:
+    """Run a slash command; returns False when the chat should end."""
+    cmd, _, rest = text.partition(" ")
+    rest = rest.strip()
+    if cmd in ("/exit", "/quit", "/bye"):
+        return False
+    if cmd == "/help":
+        print(CHAT_HELP)
+    elif cmd == "/reset":
+        state["messages"].clear()
+        print("[conversation cleared]")
+    elif cmd == "/system":
+        state["system"] = rest or None
+        state["messages"].clear()
+        print("[system prompt set; conversation cleared]" if rest else "[system prompt removed]")
+    elif cmd == "/stats":
+        if state["stats"]:
+            _print_stats(state["stats"], sys.stdout)
+        else:
+            print("[no answer yet]")
+    elif cmd == "/save":
+        if not rest:
+            print("usage: /save FILE")
+        else:
+            with open(rest, "w", encoding="utf-8") as f:
+                json.dump({"system": state["system"], "messages": state["messages"]}, f,
+                          ensure_ascii=False, indent=2)
+            print(f"[saved {len(state['messages'])} messages to {rest}]")
+    elif cmd == "/load":
+        try:
+            with open(rest, encoding="utf-8") as f:
+                data = json.load(f)
+            msgs = data["messages"]
+            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs):
+                raise ValueError("every message needs a role and a content")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"[cannot load {rest!r}: {e}]")
+        else:
+            state["system"] = data.get("system")
+            state["messages"][:] = msgs
+            print(f"[loaded {len(msgs)} messages]")
+    else:
+        print(f"unknown command {cmd}; /help lists them")
+    return True
 
 
 def cmd_chat(args) -> int:
@@ -134,65 +200,52 @@ def cmd_chat(args) -> int:
     except ImportError:
         pass
     interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"loading {args.model} ...", file=sys.stderr)
+    print(f"loading {args.model} ...", file=sys.stderr)
     model = _load(args)
-    system = args.system
-    messages: list[dict] = []
-    last_stats = None
-    if interactive:
-        print(f"edgeinfer chat — {args.model} ({model.backend.name} backend). /help for commands.",
-              file=sys.stderr)
+    state = {"system": args.system, "messages": [], "stats": None}
+    print(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
+          f"{model.n_ctx} tokens). /help for commands, Ctrl-D to quit.", file=sys.stderr)
+    prompt = ">>> " if interactive else ""
     while True:
         try:
-            line = input(">>> " if interactive else "")
+            text = _read_message(prompt).strip()
         except EOFError:
             break
         except KeyboardInterrupt:
             print()
             continue
-        text = line.strip()
         if not text:
             continue
         if text.startswith("/"):
-            cmd, _, rest = text.partition(" ")
-            if cmd in ("/exit", "/quit", "/bye"):
+            if not _chat_command(text, state):
                 break
-            if cmd == "/help":
-                print(CHAT_HELP)
-            elif cmd == "/reset":
-                messages.clear()
-                print("[conversation cleared]")
-            elif cmd == "/system":
-                system = rest.strip() or None
-                messages.clear()
-                print("[system prompt set; conversation cleared]")
-            elif cmd == "/stats":
-                if last_stats:
-                    _print_stats(last_stats, sys.stdout)
-                else:
-                    print("[no answer yet]")
-            else:
-                print(f"unknown command {cmd}; /help lists them")
             continue
-        messages.append({"role": "user", "content": text})
-        convo = ([{"role": "system", "content": system}] if system else []) + messages
-        cancel = threading.Event()
+        state["messages"].append({"role": "user", "content": text})
+        system = state["system"]
+        convo = ([{"role": "system", "content": system}] if system else []) + state["messages"]
         reply = []
+        stream = None
         try:
-            for ev in model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
-                                        cancel=cancel, **_sampling(args)):
+            stream = model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
+                                       **_sampling(args))
+            for ev in stream:
                 if ev.text:
                     reply.append(ev.text)
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                 if ev.stats is not None:
-                    last_stats = ev.stats
+                    state["stats"] = ev.stats
         except KeyboardInterrupt:
-            print("\n[stopped]", end="")
+            if stream is not None:
+                stream.close()  # releases the model; the KV cache keeps a valid prefix
+            sys.stdout.write("\n[stopped]")
+        except EdgeInferError as e:  # e.g. the conversation outgrew the context
+            state["messages"].pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(reply).strip()})
+        state["messages"].append({"role": "assistant", "content": "".join(reply).strip()})
     return 0
 
 
