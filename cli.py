@@ -1,6 +1,6 @@
 """The ``edgeinfer`` command: argument parsing and user-facing output only.
 
-Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve. Errors that
+Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve, devices. Errors that
 edgeinfer raises on purpose print as one line (``error: ...``) with exit status 1.
 """
 from __future__ import annotations
@@ -320,6 +320,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_devices(args) -> int:
+    try:
+        from edgeinfer.backends.opencl import list_devices
+        devices = list_devices()
+    except ImportError:
+        print("error: OpenCL needs pyopencl: pip install 'edgeinfer[opencl]'", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(devices, indent=2, default=str))
+        return 0
+    if not devices:
+        print("no OpenCL devices found (install a driver / ICD, e.g. pip install pocl-binary-distribution)")
+        return 0
+    for d in devices:
+        print(f"[{d.get('id', d.get('index'))}] {d.get('name')} ({d.get('platform')}, {d.get('type')}): "
+              f"{int(d.get('global_mem_bytes', 0)) / 2**30:.1f} GiB, fp16 {'yes' if d.get('fp16') else 'no'}, "
+              f"max work-group {d.get('max_work_group_size')}")
+    return 0
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 < port < 65536:
@@ -409,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("devices", help="list OpenCL platforms and devices")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_devices)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_runtime_args(s)

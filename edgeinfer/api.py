@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .engine import Engine, GenerationEvent
+from .backends.errors import BackendUnavailableError as _BackendUnavailable
 from .errors import BackendUnavailableError
 from .sampling import SamplingParams
 from .source import ModelSource
@@ -61,6 +62,10 @@ class Model:
         kv_dtype: KV cache storage dtype ("f32", "f16", ...).
         threads: CPU threads (cpu backend).
         device: OpenCL device (opencl backend).
+        prefill_chunk: tokens per prefill step (bounds scratch memory).
+        self_check: for OpenCL, compare a tiny model on the device with the reference
+            at start-up and fall back to the CPU backend (with a warning) on a mismatch:
+            drivers that miscompute exist.
 
     Raises:
         BackendUnavailableError: the backend cannot run here.
@@ -68,7 +73,7 @@ class Model:
 
     def __init__(self, source: ModelSource, backend: str | None = None, n_ctx: int | None = None,
                  kv_dtype: str = "f32", threads: int | None = None, device: str | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, self_check: bool = True):
         from .backends import get_backend
         from .models.transformer import Transformer
 
@@ -85,6 +90,10 @@ class Model:
             self.backend = get_backend(name, **opts)
         except ImportError as e:
             raise BackendUnavailableError(f"backend {name!r} cannot be imported: {e}") from e
+        except _BackendUnavailable as e:
+            raise BackendUnavailableError(str(e)) from e
+        if name == "opencl" and self_check:
+            self.backend = self._checked_opencl(self.backend, source, kv_dtype, threads)
         n_ctx = n_ctx or min(DEFAULT_CTX, source.config.max_position_embeddings)
         t0 = time.perf_counter()
         self.transformer = Transformer(source.config, source.tensors, self.backend,
@@ -93,6 +102,18 @@ class Model:
         self.engine = Engine(self.transformer, self.tokenizer, n_ctx=n_ctx, kv_dtype=kv_dtype,
                              prefill_chunk=prefill_chunk)
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _checked_opencl(backend, source: ModelSource, kv_dtype: str, threads: int | None):
+        from .backends import get_backend
+        from .backends.opencl import self_check
+
+        ok, err = self_check(source.config, source.tensors, backend, kv_dtype=kv_dtype)
+        if ok:
+            return backend
+        log.warning("OpenCL device failed the start-up self-check (max error %.3g); "
+                    "falling back to the CPU backend", err)
+        return get_backend(default_backend(), **({"threads": threads} if threads else {}))
 
     @property
     def n_ctx(self) -> int:

@@ -5,6 +5,8 @@ line. They subclass the builtin closest in meaning so callers may catch either.
 """
 from __future__ import annotations
 
+from .backends.errors import BackendUnavailableError as _BackendUnavailable
+
 
 class EdgeInferError(Exception):
     """Base class of every error edgeinfer raises on purpose."""
@@ -30,5 +32,5 @@ class CatalogError(EdgeInferError, RuntimeError):
     """A catalog model could not be fetched or verified."""
 
 
-class BackendUnavailableError(EdgeInferError, RuntimeError):
+class BackendUnavailableError(EdgeInferError, _BackendUnavailable):
     """The requested backend or device cannot be used on this machine."""

@@ -81,3 +81,19 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session(stories_dir, tmp_pat
     assert "[stopped]" in out
     convo = json.loads(saved.read_text())
     assert [m["role"] for m in convo["messages"]] == ["user", "assistant"]
+
+
+def test_generate_on_opencl_matches_reference(stories_dir):
+    pytest.importorskip("pyopencl", reason="pyopencl[pocl] is needed for the OpenCL backend")
+    r = run_cli("generate", "-m", str(stories_dir), "--backend", "opencl", "-p",
+                "Once upon a time", "-n", "12")
+    if "no OpenCL platform" in r.stderr:
+        pytest.skip("no OpenCL platform on this machine")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(GOLDEN), r.stdout
+
+
+def test_devices_lists_something_or_says_why():
+    r = run_cli("devices")
+    assert r.returncode in (0, 1)
+    assert r.stdout.strip() or r.stderr.strip()
