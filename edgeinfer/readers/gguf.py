@@ -438,8 +438,9 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
             d["layer_types"] = types
         d["rope_local_base_freq"] = float(opt("rope.freq_base_swa", 10000.0))
         # llama.cpp (llama-model.cpp, LLM_ARCH_GEMMA3): 1/sqrt(head_dim), except 27B
-        # (62 layers) which uses 1/sqrt(hidden/heads) -- gemma_pytorch config.py.
-        d["query_pre_attn_scalar"] = (hidden / heads if n_layers == 62 else float(head_dim))
+        # (62 layers) which uses 1/sqrt(hidden/heads) -- gemma_pytorch config.py. An int, as
+        # HF's Gemma3TextConfig declares it (its strict config rejects 256.0).
+        d["query_pre_attn_scalar"] = (hidden // heads if n_layers == 62 else int(head_dim))
         for k_gguf, k_hf in (("final_logit_softcapping", "final_logit_softcapping"),
                              ("attn_logit_softcapping", "attn_logit_softcapping")):
             v = opt(k_gguf)
