@@ -1,72 +1,553 @@
-"""Host-memory KV cache shared by the reference and CPU backends.
+"""Host-memory KV cache shared by the reference and CPU backends: f32, f16, int8, int4, k8v4.
 
-Preallocated once for ``max_tokens`` positions per layer (the decode loop allocates
-nothing). Storage dtype f32 or f16 here; quantized dtypes extend :class:`HostKVCache`
-with their own ``write``/``read``. ``length`` is the number of positions held; the
-engine compares token ids and calls :meth:`trim` to reuse a common prefix.
+Storage is preallocated once for ``max_tokens`` positions (or a ring, below); the numpy
+``write``/``read`` here allocate temporaries (they are the reference path), fast
+kernels write and read the raw arrays in place (layout table below). ``length`` is the number of positions held; the engine compares
+token ids and calls :meth:`HostKVCache.trim` to reuse a common prefix (and reads
+``length`` back afterwards: a cache may keep *less* than asked, see ``trim``).
+
+``HostKVCache(..., dtype=...)`` returns the class that implements ``dtype``
+(:class:`HostKVCache` itself for f32/f16, :class:`Int8KVCache`, :class:`Int4KVCache`,
+:class:`K8V4KVCache`), so ``Backend.new_kv_cache`` needs no change.
+
+Quantized formats (the format's formula; tests re-implement it and compare exactly)
+-----------------------------------------------------------------------------------
+Notation, per layer, position ``p`` and KV head ``h``: ``x = k[p, h, :]`` or
+``v[p, h, :]`` float32 ``[hd]``. ``G = kv_group_size(hd)`` = the largest power of two
+that divides ``hd``, capped at 32 (hd 64 -> 32, hd 80 -> 16, hd 8 -> 8); groups are
+``x[j*G:(j+1)*G]``, ``j = 0 .. hd/G - 1``. ``f16()`` rounds to IEEE half (round to
+nearest even) after clipping to +-65504; all other math is float32; ``rint`` rounds
+half to even (``np.rint``); a zero scale gives all-zero codes (``q = 0``).
+
+**Rotation of K** (QuaRot, Ashkboos et al. 2024; the "incoherence processing" of QuIP,
+Chee et al. 2023): before quantizing, each K group is multiplied by the orthonormal
+Sylvester-Hadamard matrix ``H_G`` (``H_1 = [1]``, ``H_2n = [[H, H], [H, -H]]``, then
+``/ sqrt(G)``; symmetric, so ``H_G = H_G^T = H_G^-1``): ``y = x_g @ H_G``.
+Why: RoPE'd keys carry a few outlier channels (KIVI, Liu et al. 2024, Sec. 3; case C27);
+per-token groups then waste their whole range on one channel. The rotation spreads an
+outlier over the group, and ``q.k = (q H).(k H)`` so attention is unchanged in exact
+math. We kept every format *per token* rather than KIVI's per-channel-over-token-blocks
+K: a position's codes depend only on its own K/V, so chunked prefill == token-by-token
+decode, prefix reuse (``trim``) and ring storage are exact and deterministic, with no
+full-precision residual window to manage. The price, measured below: at 4 bits a
+simulated KIVI K (blocks of 32 tokens, residual in full precision) halves int4's KL;
+``k8v4`` (8-bit K) is better still and is what we recommend under 8 bits.
+
+Measured (``benchmarks/kv_quality.py``: SmolLM2-135M-Instruct, WikiText-2 test, 8
+chunks of 512 tokens, second halves scored = 2040 tokens, reference backend; f32 cache
+PPL 21.5485; KL and top-1 of the next-token distribution vs the f32 cache):
+
+======== ============ ======= ======== ====== =============
+KV       bytes/token  ΔPPL    KL       top-1  note
+======== ============ ======= ======== ====== =============
+f16      23040        +0.002% 4e-7     100%
+int8     12060        -0.041% 0.00013  99.5%
+k8v4      9720        +0.114% 0.0045   95.9%
+int4      7200        +2.22%  0.027    90.3%
+int4     (no rotation)+3.39%  0.041    88.3%  simulated
+int4     (KIVI K)     +0.74%  0.013    93.4%  simulated
+======== ============ ======= ======== ====== =============
+
+(bytes/token: all 30 layers, 3 KV heads, hd 64; f32 is 46080.)
+
+``int8`` (K: 1 + 2/G bytes per element; V: 1 + 2/hd)
+  K, per (p, h, group j), rotated ``y = x_g @ H_G``:
+      ``s = f16(max|y| / 127)``;  ``q = clip(rint(y / s), -127, 127)`` int8;
+      dequant ``y' = q * s``;  ``k' = y' @ H_G``.
+  V, per (p, h) over all hd (no rotation):
+      ``s = f16(max|x| / 127)``;  ``q = clip(rint(x / s), -127, 127)``;  ``v' = q * s``.
+
+``int4`` (K and V: 0.5 + 4/G bytes per element), asymmetric, per (p, h, group j);
+K rotated as above (``y = x_g @ H_G``), V not (``y = x_g``):
+      ``m = f16(min y)``;  ``s = f16((max y - m) / 15)``;
+      ``q = clip(rint((y - m) / s), 0, 15)`` uint4;  dequant ``y' = q * s + m``;
+      K: ``k' = y' @ H_G``;  V: ``v' = y'``.
+  Two codes per byte, **low nibble first**: byte ``i`` of a row holds channel ``2i``
+  in bits 0..3 and channel ``2i+1`` in bits 4..7 (the weight format's convention).
+
+``k8v4`` (K: 1 + 2/G, V: 0.5 + 4/G bytes per element): K exactly as ``int8``, V exactly
+  as ``int4``. K is the sensitive half (llama.cpp#7412; on SmolLM2 below, K at 4 bits
+  accounts for nearly all of int4's loss), so this is the quality/size middle ground.
+
+Quality (tests/test_kvcache.py; attention output vs an f32 cache, cosine over all
+outputs). N(0,1) q/k/v, 128 tokens, hd 64: f16 0.9999999, int8 0.99997, int4 0.9951.
+C27 (K [64, 128] with one channel x50, five seeds): int8 0.99993-0.99995; int4 with
+the rotation 0.984-0.990, without it 0.93-0.96. That is the documented limit of 4-bit
+K on outlier-heavy models (the worst single query still drops to ~0.87): the rotation
+is the mitigation built in; for such models use int8 (K is the sensitive half, as in
+llama.cpp#7412). fp16 storage saturates at +-65504 instead of becoming inf (C23);
+quantized scales saturate the same way, so entries beyond ~8e6 (int8) or a group
+minimum beyond +-65504 (int4) are clipped.
+
+Raw layout for fast backends (read the quantized cache directly)
+----------------------------------------------------------------
+:meth:`HostKVCache.raw` returns the per-layer arrays (``S`` = slots of that layer):
+
+====== =========== ========================== ===========================================
+dtype  name        shape / dtype              meaning
+====== =========== ========================== ===========================================
+f32    k, v        [S, Hkv, hd] float32       plain values
+f16    k, v        [S, Hkv, hd] float16       plain values
+int8   k_q         [S, Hkv, hd] int8          codes of the *rotated* K groups
+int8   k_scale     [S, Hkv, hd/G] float16     s per group
+int8   v_q         [S, Hkv, hd] int8          codes of V
+int8   v_scale     [S, Hkv] float16           s per (token, head)
+int4   k_q         [S, Hkv, hd/2] uint8       packed codes of the rotated K groups
+int4   k_scale     [S, Hkv, hd/G] float16     s per group
+int4   k_min       [S, Hkv, hd/G] float16     m per group
+int4   v_q         [S, Hkv, hd/2] uint8       packed codes of V
+int4   v_scale     [S, Hkv, hd/G] float16     s per group
+int4   v_min       [S, Hkv, hd/G] float16     m per group
+k8v4   k_q, k_scale as int8                   K as int8
+k8v4   v_q, v_scale, v_min as int4            V as int4
+====== =========== ========================== ===========================================
+
+A fast kernel rotates the query once (``q_g @ H_G`` per group, :func:`hadamard`) and
+dots it with the dequantized rotated K ``y'`` directly; V needs no rotation. Without
+windows the arrays also exist stacked over layers as attributes (``cache.k`` ``[L, S,
+Hkv, hd]`` for f32/f16 as before, ``cache.k_q`` ``[L, S, Hkv, hd]`` for int8, ...).
+
+Sliding-window (ring) storage
+-----------------------------
+``window_sizes[layer] = W`` (None = global) stores that layer in a ring of
+``S = min(max_tokens, W - 1 + max_chunk)`` slots: position ``p`` lives in slot
+``p % S``, and ``positions(layer)`` (int64 ``[S]``, -1 = empty) records which
+position each slot holds. ``W - 1 + max_chunk`` slots are what a chunk of up to
+``max_chunk`` tokens needs, since the contract writes the whole chunk before its
+first query attends to the ``W - 1`` keys before it. :meth:`read_positions` returns the
+held keys with their absolute positions; :meth:`read` keeps the dense ``[end, ...]``
+shape (zeros where a position left the window, which the attention's window mask
+hides). :meth:`trim` on a ring keeps the prefix only if every key that later
+positions can still attend to is held; otherwise it resets the whole cache (case C28:
+never a raw slice of the ring). The engine reads ``length`` back after ``trim``.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 
+#: Float storage dtypes. Kept as the float-only tuple: backends/opencl validates with it.
 KV_DTYPES = ("f32", "f16")
+#: Every dtype :class:`HostKVCache` stores.
+ALL_KV_DTYPES = ("f32", "f16", "int8", "int4", "k8v4")
+#: Default rows per prefill chunk a ring layer must hold beyond its window (engine default).
+DEFAULT_MAX_CHUNK = 512
+
+_F16_MAX = np.float32(65504.0)
 
 
+# ---- format helpers (the one source of truth; tests re-implement them) ---------------
+def kv_group_size(head_dim: int) -> int:
+    """Channels per quantization group: the largest power of two dividing ``head_dim``, <= 32."""
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    return min(32, head_dim & -head_dim)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """Orthonormal Sylvester-Hadamard matrix float32 ``[n, n]`` (n a power of two).
+
+    Symmetric and its own inverse: ``x @ H @ H == x`` up to rounding.
+    """
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.float32(math.sqrt(n))).astype(np.float32)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to float16, saturating at +-65504 (never inf)."""
+    return np.clip(x, -_F16_MAX, _F16_MAX).astype(np.float16)
+
+
+def _rotate(x: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Multiply each G-channel group of x [..., hd] by H_G (float32)."""
+    g = h.shape[0]
+    shp = x.shape
+    return (x.reshape(*shp[:-1], shp[-1] // g, g) @ h).reshape(shp)
+
+
+def _safe(s: np.ndarray) -> np.ndarray:
+    return np.where(s == 0, np.float32(1.0), s)
+
+
+def quant_sym8(y: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 symmetric codes of y [..., n] in groups of ``g``: (q int8 [..., n], s f16 [..., n/g])."""
+    shp = y.shape
+    yg = y.reshape(*shp[:-1], shp[-1] // g, g)
+    s = _f16(np.abs(yg).max(axis=-1) / np.float32(127.0))
+    d = s.astype(np.float32)[..., None]
+    q = np.where(d == 0, 0, np.clip(np.rint(yg / _safe(d)), -127, 127))
+    return q.astype(np.int8).reshape(shp), s
+
+
+def dequant_sym8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """y' = q * s float32 [..., n] from q int8 [..., n], s f16 [..., n/g]."""
+    g = q.shape[-1] // s.shape[-1]
+    y = q.reshape(*s.shape, g).astype(np.float32) * s.astype(np.float32)[..., None]
+    return y.reshape(q.shape)
+
+
+def quant_asym4(y: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """uint4 asymmetric codes of y [..., n] in groups of ``g``.
+
+    Returns (packed uint8 [..., n/2] low nibble first, s f16 [..., n/g], m f16 [..., n/g]).
+    """
+    shp = y.shape
+    yg = y.reshape(*shp[:-1], shp[-1] // g, g)
+    m = _f16(yg.min(axis=-1))
+    m32 = m.astype(np.float32)
+    s = _f16((yg.max(axis=-1) - m32) / np.float32(15.0))
+    d = s.astype(np.float32)[..., None]
+    q = np.where(d == 0, 0, np.clip(np.rint((yg - m32[..., None]) / _safe(d)), 0, 15))
+    q = q.astype(np.uint8).reshape(shp)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), s, m
+
+
+def unpack4(packed: np.ndarray) -> np.ndarray:
+    """uint8 [..., n/2] -> codes uint8 [..., n] (low nibble = even channel)."""
+    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def dequant_asym4(packed: np.ndarray, s: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """y' = q * s + m float32 [..., n] from packed uint8 [..., n/2], s and m f16 [..., n/g]."""
+    q = unpack4(packed)
+    g = q.shape[-1] // s.shape[-1]
+    y = (q.reshape(*s.shape, g).astype(np.float32) * s.astype(np.float32)[..., None]
+         + m.astype(np.float32)[..., None])
+    return y.reshape(q.shape)
+
+
+# ---- sizes (used by the cache and by edgeinfer.memory; must agree exactly) ------------
+def kv_bytes_per_token_layer(n_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes one position of one layer takes (K and V, codes + scales), for ``dtype``."""
+    g = kv_group_size(head_dim)
+    per_head = {
+        "f32": 8 * head_dim,
+        "f16": 4 * head_dim,
+        "int8": (head_dim + 2 * (head_dim // g)) + (head_dim + 2),
+        "int4": 2 * (head_dim // 2 + 4 * (head_dim // g)),
+        "k8v4": (head_dim + 2 * (head_dim // g)) + (head_dim // 2 + 4 * (head_dim // g)),
+    }
+    if dtype not in per_head:
+        raise ValueError(f"unsupported KV cache dtype {dtype!r}; choose one of {ALL_KV_DTYPES}")
+    return n_kv_heads * per_head[dtype]
+
+
+def layer_slots(max_tokens: int, window: int | None, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
+    """Slots a layer preallocates: ``max_tokens``, or ``W - 1 + max_chunk`` if that is fewer."""
+    if window is None:
+        return max_tokens
+    return min(max_tokens, window - 1 + max_chunk)
+
+
+def kv_cache_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
+                    dtype: str = "f32", window_sizes: Sequence[int | None] | None = None,
+                    max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
+    """Bytes a :class:`HostKVCache` with these arguments allocates (== its ``nbytes``)."""
+    per = kv_bytes_per_token_layer(n_kv_heads, head_dim, dtype)
+    wins = list(window_sizes) if window_sizes is not None else [None] * n_layers
+    total = 0
+    for w in wins:
+        s = layer_slots(max_tokens, w, max_chunk)
+        total += s * per
+        if s < max_tokens:
+            total += 8 * s  # int64 positions of a ring layer
+    return total
+
+
+# ---- the cache ---------------------------------------------------------------------
 class HostKVCache:
-    """K and V for every layer: ``k[layer]``, ``v[layer]`` are ``[max_tokens, Hkv, hd]``.
+    """K and V of every layer, preallocated; f32/f16 here, int8/int4 in subclasses.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: geometry (``hd`` = head_dim).
+        max_tokens: positions (context) the cache can hold, > 0.
+        dtype: one of :data:`ALL_KV_DTYPES`; ``HostKVCache(dtype="int8")`` builds an
+            :class:`Int8KVCache` (likewise int4).
+        window_sizes: per layer, a sliding window ``W`` (ring storage, see the module
+            docstring) or None (global). Default: all global.
+        max_chunk: most tokens one ``write`` may add to a ring layer.
 
     Attributes:
-        max_tokens: positions preallocated per layer.
-        length: positions currently valid (0..max_tokens).
-        dtype: "f32" or "f16".
+        max_tokens, length (positions valid, 0..max_tokens), dtype, n_layers,
+        n_kv_heads, head_dim, group_size (G), window_sizes, slots (per layer).
+        k, v: ``[L, S, Hkv, hd]`` float32/float16 (f32/f16 without windows; the CPU
+            backend's kernels read them directly). Quantized dtypes expose their raw
+            arrays the same way (``k_q``, ``k_scale``, ...).
+
+    Raises:
+        ValueError: unknown dtype, non-positive sizes, a window list of the wrong length.
     """
 
+    #: (name, per-slot shape as a function of (Hkv, hd, G), numpy dtype) of the storage.
+    _ARRAYS: tuple = ()
+    rotate_k: bool = False
+
+    def __new__(cls, *args, **kwargs):
+        impl = cls
+        if cls is HostKVCache:
+            dtype = kwargs.get("dtype", args[4] if len(args) > 4 else "f32")
+            impl = _CLASSES.get(dtype, HostKVCache)
+        return super().__new__(impl)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
-                 dtype: str = "f32"):
-        if dtype not in KV_DTYPES:
-            raise ValueError(f"unsupported KV cache dtype {dtype!r}; choose one of {KV_DTYPES}")
+                 dtype: str = "f32", window_sizes: Sequence[int | None] | None = None,
+                 max_chunk: int = DEFAULT_MAX_CHUNK):
+        if dtype not in ALL_KV_DTYPES:
+            raise ValueError(f"unsupported KV cache dtype {dtype!r}; choose one of {ALL_KV_DTYPES}")
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        np_dtype = np.float32 if dtype == "f32" else np.float16
-        shape = (n_layers, max_tokens, n_kv_heads, head_dim)
-        self.k = np.zeros(shape, np_dtype)  # [L, S, Hkv, hd]
-        self.v = np.zeros(shape, np_dtype)  # [L, S, Hkv, hd]
-        self.dtype = dtype
-        self.max_tokens = max_tokens
-        self.length = 0
+        if min(n_layers, n_kv_heads, head_dim, max_chunk) <= 0:
+            raise ValueError("n_layers, n_kv_heads, head_dim and max_chunk must be positive")
+        if dtype in ("int4", "k8v4") and head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim (two codes per byte), got {head_dim}")
+        if window_sizes is None:
+            window_sizes = [None] * n_layers
+        window_sizes = list(window_sizes)
+        if len(window_sizes) != n_layers:
+            raise ValueError(f"window_sizes has {len(window_sizes)} entries for {n_layers} layers")
+        if any(w is not None and w <= 0 for w in window_sizes):
+            raise ValueError(f"window sizes must be positive or None, got {window_sizes}")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.max_tokens, self.dtype, self.length = max_tokens, dtype, 0
+        self.group_size = kv_group_size(head_dim)
+        self.window_sizes = window_sizes
+        self.max_chunk = max_chunk
+        self.slots = [layer_slots(max_tokens, w, max_chunk) for w in window_sizes]
+        self._ring = [s < max_tokens for s in self.slots]
+        # positions held by each slot of a ring layer (-1 = empty); None for linear layers
+        self._pos = [np.full(s, -1, np.int64) if r else None
+                     for s, r in zip(self.slots, self._ring)]
+        hkv, hd, g = n_kv_heads, head_dim, self.group_size
+        self._layer: list[dict[str, np.ndarray]] = [{} for _ in range(n_layers)]
+        uniform = not any(self._ring)
+        for name, shape_fn, np_dtype in self._arrays(dtype):
+            per_slot = shape_fn(hkv, hd, g)
+            if uniform:  # one stacked array, per-layer views (as before: cache.k[L, S, Hkv, hd])
+                stacked = np.zeros((n_layers, max_tokens, *per_slot), np_dtype)
+                setattr(self, name, stacked)
+                for layer in range(n_layers):
+                    self._layer[layer][name] = stacked[layer]
+            else:
+                for layer in range(n_layers):
+                    self._layer[layer][name] = np.zeros((self.slots[layer], *per_slot), np_dtype)
+        if self.rotate_k:
+            self._h = hadamard(g)
 
+    # ---- storage description (subclasses override) ------------------------------------
+    def _arrays(self, dtype):
+        np_dtype = np.float32 if dtype == "f32" else np.float16
+        return (("k", lambda h, d, g: (h, d), np_dtype), ("v", lambda h, d, g: (h, d), np_dtype))
+
+    def _store(self, a: dict[str, np.ndarray], idx, k: np.ndarray, v: np.ndarray) -> None:
+        """Encode k, v float32 [T, Hkv, hd] into the slots ``idx`` of layer arrays ``a``."""
+        if a["k"].dtype == np.float16:  # saturate instead of overflowing to inf (C23)
+            k, v = _f16(k), _f16(v)
+        a["k"][idx] = k
+        a["v"][idx] = v
+
+    def _load(self, a: dict[str, np.ndarray], idx) -> tuple[np.ndarray, np.ndarray]:
+        """Decode the slots ``idx`` of layer arrays ``a`` to float32 [n, Hkv, hd]."""
+        return a["k"][idx].astype(np.float32, copy=False), a["v"][idx].astype(np.float32, copy=False)
+
+    # ---- bookkeeping -------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes preallocated for K and V."""
-        return int(self.k.nbytes + self.v.nbytes)
+        """Bytes preallocated: K and V codes, scales, and ring position tables."""
+        n = sum(arr.nbytes for layer in self._layer for arr in layer.values())
+        return int(n + sum(p.nbytes for p in self._pos if p is not None))
 
     def bytes_per_token(self) -> int:
+        """``nbytes // max_tokens`` (average over the context; exact without windows)."""
         return self.nbytes // self.max_tokens
 
+    def raw(self, layer: int) -> dict[str, np.ndarray]:
+        """The storage arrays of ``layer`` by name (see the layout table); views, not copies."""
+        return self._layer[layer]
+
+    def positions(self, layer: int) -> np.ndarray | None:
+        """int64 [S] position held by each slot of a ring layer (-1 empty); None if linear."""
+        return self._pos[layer]
+
     def reset(self) -> None:
+        """Forget every position (storage is kept, not zeroed)."""
         self.length = 0
+        for p in self._pos:
+            if p is not None:
+                p[:] = -1
 
     def trim(self, n: int) -> None:
-        """Keep the first ``n`` positions (n <= length)."""
+        """Keep the first ``n`` positions (0 <= n <= length), dropping the rest.
+
+        A ring layer can keep them only if it still holds every key positions >= n can
+        attend to (``max(0, n - W + 1) .. n - 1``); if any ring layer lost one, the
+        whole cache is reset (``length`` becomes 0) and the caller recomputes.
+
+        Raises:
+            ValueError: ``n`` outside ``0..length``.
+        """
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {n}")
-        self.length = n
+        ok = True
+        for p, w in zip(self._pos, self.window_sizes):
+            if p is None:
+                continue
+            p[p >= n] = -1
+            lo = max(0, n - w + 1)
+            if np.count_nonzero((p >= lo) & (p < n)) != n - lo:
+                ok = False
+        if ok:
+            self.length = n
+        else:
+            self.reset()
 
     def check_room(self, start_pos: int, t: int) -> None:
-        if start_pos + t > self.max_tokens:
+        """Raise ValueError if positions start_pos .. start_pos+t-1 exceed the cache."""
+        if start_pos < 0 or start_pos + t > self.max_tokens:
             raise ValueError(
                 f"KV cache overflow: positions {start_pos}..{start_pos + t - 1} do not fit in "
                 f"{self.max_tokens} preallocated positions"
             )
 
+    def _slots_of(self, layer: int, start_pos: int, t: int):
+        if not self._ring[layer]:
+            return slice(start_pos, start_pos + t)
+        if t > self.slots[layer] - (self.window_sizes[layer] - 1):
+            raise ValueError(
+                f"a chunk of {t} tokens is larger than the {self.max_chunk} a windowed layer "
+                f"(window {self.window_sizes[layer]}) was sized for; prefill in smaller chunks "
+                f"or build the cache with max_chunk >= {t}")
+        return (start_pos + np.arange(t)) % self.slots[layer]
+
+    # ---- data --------------------------------------------------------------------------
     def write(self, layer: int, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v ``[T, Hkv, hd]`` at positions start_pos.. of ``layer``."""
+        """Store k, v ``[T, Hkv, hd]`` (float32 or float16) at positions start_pos.. of ``layer``.
+
+        Raises:
+            ValueError: the positions exceed ``max_tokens``, or a ring layer's chunk limit.
+        """
         t = k.shape[0]
         self.check_room(start_pos, t)
-        self.k[layer, start_pos:start_pos + t] = k
-        self.v[layer, start_pos:start_pos + t] = v
+        idx = self._slots_of(layer, start_pos, t)
+        self._store(self._layer[layer], idx, np.asarray(k, np.float32), np.asarray(v, np.float32))
+        if self._ring[layer]:
+            self._pos[layer][idx] = np.arange(start_pos, start_pos + t)
+
+    def read_positions(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Held keys and values of positions < ``end``, with their absolute positions.
+
+        Returns:
+            (k float32 [n, Hkv, hd], v float32 [n, Hkv, hd], positions int64 [n] ascending);
+            for a linear layer n == end and positions == arange(end).
+        """
+        p = self._pos[layer]
+        if p is None:
+            k, v = self._load(self._layer[layer], slice(0, end))
+            return k, v, np.arange(end, dtype=np.int64)
+        sel = np.nonzero((p >= 0) & (p < end))[0]
+        sel = sel[np.argsort(p[sel])]
+        k, v = self._load(self._layer[layer], sel)
+        return k, v, p[sel]
 
     def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """K, V float32 ``[end, Hkv, hd]`` of positions 0..end-1 (reference path)."""
-        return (self.k[layer, :end].astype(np.float32, copy=False),
-                self.v[layer, :end].astype(np.float32, copy=False))
+        """K, V float32 ``[end, Hkv, hd]`` of positions 0..end-1, dequantized (reference path).
+
+        For a ring layer, positions no longer held read as zeros (outside the window).
+        """
+        if self._pos[layer] is None:
+            return self._load(self._layer[layer], slice(0, end))
+        k, v, pos = self.read_positions(layer, end)
+        kd = np.zeros((end, self.n_kv_heads, self.head_dim), np.float32)
+        vd = np.zeros_like(kd)
+        kd[pos], vd[pos] = k, v
+        return kd, vd
+
+
+class Int8KVCache(HostKVCache):
+    """int8 KV cache: K per (token, head, group of G) symmetric after a Hadamard rotation,
+    V per (token, head) symmetric; formulas and layout in the module docstring."""
+
+    rotate_k = True
+
+    def _arrays(self, dtype):
+        return (
+            ("k_q", lambda h, d, g: (h, d), np.int8),          # [S, Hkv, hd] int8
+            ("k_scale", lambda h, d, g: (h, d // g), np.float16),  # [S, Hkv, hd/G]
+            ("v_q", lambda h, d, g: (h, d), np.int8),          # [S, Hkv, hd] int8
+            ("v_scale", lambda h, d, g: (h,), np.float16),     # [S, Hkv]
+        )
+
+    def _store(self, a, idx, k, v):
+        a["k_q"][idx], a["k_scale"][idx] = quant_sym8(_rotate(k, self._h), self.group_size)
+        vq, vs = quant_sym8(v, v.shape[-1])
+        a["v_q"][idx], a["v_scale"][idx] = vq, vs[..., 0]
+
+    def _load(self, a, idx):
+        k = _rotate(dequant_sym8(a["k_q"][idx], a["k_scale"][idx]), self._h)
+        v = dequant_sym8(a["v_q"][idx], a["v_scale"][idx][..., None])
+        return k, v
+
+
+class Int4KVCache(HostKVCache):
+    """int4 KV cache: K and V per (token, head, group of G) asymmetric with f16 scale and
+    minimum, K Hadamard-rotated first; two codes per byte, low nibble first."""
+
+    rotate_k = True
+
+    def _arrays(self, dtype):
+        return (
+            ("k_q", lambda h, d, g: (h, d // 2), np.uint8),        # [S, Hkv, hd/2] packed
+            ("k_scale", lambda h, d, g: (h, d // g), np.float16),  # [S, Hkv, hd/G]
+            ("k_min", lambda h, d, g: (h, d // g), np.float16),    # [S, Hkv, hd/G]
+            ("v_q", lambda h, d, g: (h, d // 2), np.uint8),
+            ("v_scale", lambda h, d, g: (h, d // g), np.float16),
+            ("v_min", lambda h, d, g: (h, d // g), np.float16),
+        )
+
+    def _store(self, a, idx, k, v):
+        g = self.group_size
+        a["k_q"][idx], a["k_scale"][idx], a["k_min"][idx] = quant_asym4(_rotate(k, self._h), g)
+        a["v_q"][idx], a["v_scale"][idx], a["v_min"][idx] = quant_asym4(v, g)
+
+    def _load(self, a, idx):
+        k = _rotate(dequant_asym4(a["k_q"][idx], a["k_scale"][idx], a["k_min"][idx]), self._h)
+        v = dequant_asym4(a["v_q"][idx], a["v_scale"][idx], a["v_min"][idx])
+        return k, v
+
+
+class K8V4KVCache(HostKVCache):
+    """Mixed: K as in int8 (rotated, symmetric per group), V as in int4 (asymmetric per
+    group, packed). K is the sensitive half (module docstring, measured on SmolLM2)."""
+
+    rotate_k = True
+
+    def _arrays(self, dtype):
+        return (
+            ("k_q", lambda h, d, g: (h, d), np.int8),              # [S, Hkv, hd] int8
+            ("k_scale", lambda h, d, g: (h, d // g), np.float16),  # [S, Hkv, hd/G]
+            ("v_q", lambda h, d, g: (h, d // 2), np.uint8),        # [S, Hkv, hd/2] packed
+            ("v_scale", lambda h, d, g: (h, d // g), np.float16),
+            ("v_min", lambda h, d, g: (h, d // g), np.float16),
+        )
+
+    def _store(self, a, idx, k, v):
+        g = self.group_size
+        a["k_q"][idx], a["k_scale"][idx] = quant_sym8(_rotate(k, self._h), g)
+        a["v_q"][idx], a["v_scale"][idx], a["v_min"][idx] = quant_asym4(v, g)
+
+    def _load(self, a, idx):
+        k = _rotate(dequant_sym8(a["k_q"][idx], a["k_scale"][idx]), self._h)
+        v = dequant_asym4(a["v_q"][idx], a["v_scale"][idx], a["v_min"][idx])
+        return k, v
+
+
+_CLASSES = {"f32": HostKVCache, "f16": HostKVCache, "int8": Int8KVCache, "int4": Int4KVCache,
+            "k8v4": K8V4KVCache}
