@@ -15,6 +15,7 @@ import threading
 from edgeinfer.errors import EdgeInferError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_DTYPE_CHOICES = ("int8", "f16", "f32", "int4", "k8v4")  # edgeinfer.backends.kvcache.ALL_KV_DTYPES
 
 
 # ---- shared options --------------------------------------------------------------------
@@ -26,8 +27,12 @@ def _add_runtime_args(p: argparse.ArgumentParser, model_required: bool = True) -
                    help="compute backend (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--device", default=None, help="OpenCL device index or name")
-    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default 4096)")
-    p.add_argument("--kv-dtype", default="f32", help="KV cache dtype (f32, f16)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length in tokens (default: what --max-memory allows, else 4096)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
+                   help="KV cache dtype (default int8)")
+    p.add_argument("--max-memory", type=float, default=None, metavar="MB",
+                   help="total memory budget in MiB: sizes the context, refuses what cannot fit")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
 
 
@@ -56,7 +61,7 @@ def _load(args):
     path = resolve_model(args.model, progress=not getattr(args, "quiet", False))
     return api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
                      kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
-                     prefill_chunk=args.prefill_chunk)
+                     prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
 
 
 def _print_stats(stats, stream=sys.stderr) -> None:
@@ -98,13 +103,26 @@ def cmd_info(args) -> int:
             "eos_token_ids": c.eos_token_ids, "chat_template": bool(src.chat_template),
             "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
         }
+    plan = None
+    if args.max_memory is not None:
+        from edgeinfer.api import DEFAULT_KV_DTYPE, source_weight_bytes
+        from edgeinfer.memory import format_plan, plan_memory
+
+        src = read_model(str(path))
+        plan = plan_memory(src.config, source_weight_bytes(src, args.backend or "cpu"),
+                           args.max_memory, args.kv_dtype or DEFAULT_KV_DTYPE, args.prefill_chunk)
+        info["memory_plan"] = plan.__dict__ if hasattr(plan, "__dict__") else str(plan)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
+        if plan is not None:
+            info.pop("memory_plan")
         for k, v in info.items():
             if isinstance(v, (dict, list)) and len(json.dumps(v, default=str)) > 100:
                 v = json.dumps(v, default=str)[:100] + "..."
             print(f"{k:24s} {v}")
+        if plan is not None:
+            print(format_plan(plan))
     return 0
 
 
@@ -377,9 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", "-q", action="store_true")
     s.set_defaults(func=cmd_pull)
 
-    s = sub.add_parser("info", help="describe a model (architecture, size, quantization)")
+    s = sub.add_parser("info", help="describe a model (architecture, size, quantization, memory plan)")
     s.add_argument("model")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--max-memory", type=float, default=None, metavar="MB",
+                   help="print the memory plan for this budget (weights, KV per token, max context)")
+    s.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None)
+    s.add_argument("--backend", choices=["cpu", "reference", "opencl"], default=None)
+    s.add_argument("--prefill-chunk", type=int, default=512)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("generate", help="complete a prompt")

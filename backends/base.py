@@ -44,11 +44,16 @@ class Backend(ABC):
 
     @abstractmethod
     def new_kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
-                     dtype: str = "f32") -> Any:
+                     dtype: str = "f32", window_sizes: list[int | None] | None = None,
+                     max_chunk: int = 512) -> Any:
         """Preallocate a KV cache of ``max_tokens`` positions per layer.
 
+        ``window_sizes`` (per layer, None = global) lets a backend keep only the
+        ``window - 1 + max_chunk`` most recent positions of a sliding-window layer (a
+        ring); ``max_chunk`` is the most tokens one forward call appends.
         The returned object has ``max_tokens``, ``length`` (tokens held), ``nbytes``,
-        ``reset()`` and ``trim(n)`` (keep the first ``n`` positions)."""
+        ``reset()`` and ``trim(n)`` (keep the first ``n`` positions; a ring that no
+        longer holds what the kept prefix needs resets to length 0)."""
 
     # ---- ops -------------------------------------------------------------------------
     @abstractmethod

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
+
+import numpy as np
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,6 +30,23 @@ log = logging.getLogger("edgeinfer")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CTX = 4096
+#: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
+#: the bytes of f16 (benchmarks/kv_quality.py; README table).
+DEFAULT_KV_DTYPE = "int8"
+
+
+def source_weight_bytes(source: ModelSource, backend: str) -> int:
+    """Bytes the weights will take on ``backend``, from shapes alone (nothing is loaded).
+
+    An ``.eif`` file's quantized tensors keep their packed size (the reference backend
+    dequantizes them to float32); HF/GGUF tensors are held as float32.
+    """
+    from .backends.quantized import QuantizedTensor
+
+    if source.format == "eif" and backend != "reference":
+        # the container maps the file: reading nbytes touches no weight data
+        return int(sum(int(t.nbytes) for t in source.tensors.values()))
+    return int(sum(4 * int(np.prod(shape)) for shape in source.shapes.values()))
 
 
 def default_backend() -> str:
@@ -58,8 +77,12 @@ class Model:
     Args:
         source: the model description (from :func:`edgeinfer.readers.read_model`).
         backend: "cpu", "reference" or "opencl" (default: :func:`default_backend`).
-        n_ctx: context length in tokens (KV cache positions preallocated).
-        kv_dtype: KV cache storage dtype ("f32", "f16", ...).
+        n_ctx: context length in tokens (KV cache positions preallocated); default: the
+            most ``max_memory`` allows, else 4096 (capped by the model's positions).
+        kv_dtype: KV cache storage dtype: "int8" (default), "f32", "f16", "int4", "k8v4".
+        max_memory: total memory budget in MiB (weights + scratch + KV cache); the
+            context is sized to fit, and a model that cannot fit is refused before any
+            weight is loaded.
         threads: CPU threads (cpu backend).
         device: OpenCL device (opencl backend).
         prefill_chunk: tokens per prefill step (bounds scratch memory).
@@ -69,18 +92,34 @@ class Model:
 
     Raises:
         BackendUnavailableError: the backend cannot run here.
+        MemoryBudgetError: ``max_memory`` is too small for the weights (or for ``n_ctx``).
     """
 
     def __init__(self, source: ModelSource, backend: str | None = None, n_ctx: int | None = None,
-                 kv_dtype: str = "f32", threads: int | None = None, device: str | None = None,
-                 prefill_chunk: int = 512, self_check: bool = True):
+                 kv_dtype: str | None = None, threads: int | None = None,
+                 device: str | None = None, prefill_chunk: int = 512, self_check: bool = True,
+                 max_memory: float | None = None):
         from .backends import get_backend
+        from .memory import plan_memory
         from .models.transformer import Transformer
 
         self.source = source
         self.config = source.config
         self.tokenizer = tokenizer_for(source)
         name = backend or default_backend()
+        kv_dtype = kv_dtype or DEFAULT_KV_DTYPE
+        model_max = source.config.max_position_embeddings
+        self.memory_plan = None
+        if max_memory is not None:
+            self.memory_plan = plan_memory(source.config, source_weight_bytes(source, name),
+                                           max_memory, kv_dtype, prefill_chunk, n_ctx=n_ctx)
+            if n_ctx is not None and not self.memory_plan.fits:
+                from .errors import MemoryBudgetError
+                from .memory import format_plan
+                raise MemoryBudgetError(
+                    f"a context of {n_ctx} tokens does not fit in --max-memory {max_memory:g} MiB "
+                    f"(at most {self.memory_plan.max_context}):\n{format_plan(self.memory_plan)}")
+            n_ctx = n_ctx or self.memory_plan.max_context
         opts = {}
         if threads is not None:
             opts["threads"] = threads
@@ -94,7 +133,7 @@ class Model:
             raise BackendUnavailableError(str(e)) from e
         if name == "opencl" and self_check:
             self.backend = self._checked_opencl(self.backend, source, kv_dtype, threads)
-        n_ctx = n_ctx or min(DEFAULT_CTX, source.config.max_position_embeddings)
+        n_ctx = min(n_ctx or DEFAULT_CTX, model_max)
         t0 = time.perf_counter()
         self.transformer = Transformer(source.config, source.tensors, self.backend,
                                        max_positions=max(n_ctx, 1))
@@ -178,8 +217,24 @@ class Model:
         return "".join(ev.text for ev in self.stream(prompt, **kw))
 
     def chat_stream(self, messages: Sequence[dict], **kw) -> Iterator[GenerationEvent]:
-        """Stream the assistant's reply to OpenAI-style messages ``[{"role", "content"}]``."""
-        return self.stream_ids(self.encode_chat(messages), **kw)
+        """Stream the assistant's reply to OpenAI-style messages ``[{"role", "content"}]``.
+
+        A conversation longer than the context loses its oldest whole turns (the system
+        prompt is kept; room for ``max_tokens`` is reserved up to half the context): see
+        :func:`edgeinfer.conversation.fit_messages`.
+
+        Raises:
+            ContextOverflowError: even the system prompt and the last turn do not fit.
+        """
+        from .conversation import fit_messages
+
+        reserve = min(kw.get("max_tokens", 256), self.n_ctx // 2)
+        ids = self.encode_chat(messages)
+        if len(ids) + reserve > self.n_ctx:
+            kept, dropped = fit_messages(list(messages), self.encode_chat, self.n_ctx, reserve)
+            log.info("context full: dropped the %d oldest messages", dropped)
+            ids = self.encode_chat(kept)
+        return self.stream_ids(ids, **kw)
 
     def chat(self, messages: Sequence[dict], **kw) -> str:
         """The assistant's reply to OpenAI-style messages, as a string."""

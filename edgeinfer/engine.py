@@ -120,7 +120,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         if self.cache is None:
-            self.cache = self.model.new_cache(self.n_ctx, self.kv_dtype)
+            self.cache = self.model.new_cache(self.n_ctx, self.kv_dtype, self.prefill_chunk)
 
     # ---- low level -------------------------------------------------------------------
     def reset(self) -> None:

@@ -150,11 +150,20 @@ class Transformer:
                 cos, sin = rope_tables(cfg, self.max_positions, theta)
                 self._rope[theta] = (be.upload(cos), be.upload(sin))
 
-    def new_cache(self, max_tokens: int, dtype: str = "f32") -> Any:
-        """Preallocate a KV cache for ``max_tokens`` positions (see ``Backend.new_kv_cache``)."""
+    def new_cache(self, max_tokens: int, dtype: str = "f32", max_chunk: int = 512) -> Any:
+        """Preallocate a KV cache for ``max_tokens`` positions (see ``Backend.new_kv_cache``).
+
+        Sliding-window layers get ring storage of ``window - 1 + max_chunk`` positions
+        (they never attend further back), so long chats cost less memory; ``max_chunk``
+        must bound the tokens of every forward call made with this cache.
+        """
         c = self.cfg
+        windows = [c.layer_window(i) for i in range(c.num_hidden_layers)]
+        extra = {}
+        if any(w is not None for w in windows):
+            extra = {"window_sizes": windows, "max_chunk": max_chunk}
         return self.backend.new_kv_cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                         max_tokens, dtype)
+                                         max_tokens, dtype, **extra)
 
     def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False) -> np.ndarray:
         """Run T tokens starting at position ``cache.length``; T > 1 is prefill, T == 1 decode.

@@ -78,3 +78,43 @@ def test_cancel_from_another_thread_stops_within_one_step(model):
         final = ev
     assert final.finish_reason == "cancelled"
     assert n <= 4
+
+
+def test_max_memory_sizes_the_context_and_refuses_what_cannot_fit(stories_dir):
+    import edgeinfer.api as api
+    from edgeinfer.errors import MemoryBudgetError
+    from edgeinfer.memory import plan_memory
+    from edgeinfer.readers import read_model
+
+    src = read_model(str(stories_dir))
+    wb = api.source_weight_bytes(src, "reference")
+    with pytest.raises(MemoryBudgetError, match="too small"):
+        api.Model(src, backend="reference", max_memory=1.0)
+    # a budget that allows exactly 300 tokens of int8 KV
+    base = plan_memory(src.config, wb, 10_000, "int8", 512)
+    budget_b = base.weights_bytes + base.scratch_bytes + 300 * base.kv_bytes_per_token
+    m = api.Model(src, backend="reference", max_memory=budget_b / 2**20, kv_dtype="int8")
+    assert m.n_ctx == 300
+    assert m.engine.cache.max_tokens == 300
+    # 300 tokens fit, 301 are refused with the documented error
+    m.engine.check_prompt([1] * 300)
+    with pytest.raises(ContextOverflowError):
+        m.engine.check_prompt([1] * 301)
+    with pytest.raises(MemoryBudgetError, match="does not fit"):
+        api.Model(src, backend="reference", max_memory=budget_b / 2**20, n_ctx=301)
+
+
+def test_chat_drops_oldest_turns_when_the_context_is_full(stories_dir):
+    import edgeinfer.api as api
+    from edgeinfer.readers import read_model
+
+    m = api.Model(read_model(str(stories_dir)), backend="reference", n_ctx=64)
+    long = "Once upon a time there was a girl who liked to play in the park with her dog"
+    msgs = []
+    for _ in range(4):
+        msgs += [{"role": "user", "content": long}, {"role": "assistant", "content": long}]
+    msgs.append({"role": "user", "content": "Tell me"})
+    events = list(m.chat_stream(msgs, max_tokens=8))
+    final = events[-1]
+    assert final.finish_reason in ("length", "stop")
+    assert final.stats.prompt_tokens + 8 <= 64

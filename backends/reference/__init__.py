@@ -35,8 +35,10 @@ class ReferenceBackend(Backend):
     def to_host(self, t):
         return np.asarray(t)
 
-    def new_kv_cache(self, n_layers, n_kv_heads, head_dim, max_tokens, dtype="f32"):
-        return HostKVCache(n_layers, n_kv_heads, head_dim, max_tokens, dtype)
+    def new_kv_cache(self, n_layers, n_kv_heads, head_dim, max_tokens, dtype="f32",
+                     window_sizes=None, max_chunk=512):
+        return HostKVCache(n_layers, n_kv_heads, head_dim, max_tokens, dtype,
+                           window_sizes=window_sizes, max_chunk=max_chunk)
 
     # ---- ops -------------------------------------------------------------------------
     def embed(self, table, ids, scale=1.0):
