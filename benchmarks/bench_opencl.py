@@ -3,7 +3,11 @@ achieved GB/s (weight bytes streamed per second).
 
 usage:
   python benchmarks/bench_opencl.py [--device SPEC] [--models stories,smollm2-rand]
-        [--prompt 64] [--gen 32] [--no-kernels] [--json out.json]
+        [--prompt 64] [--gen 32] [--no-kernels] [--unfused] [--cpu] [--json out.json]
+
+  --unfused  also time the model with the fused decode path off (the per-op kernels)
+  --cpu      also time the Numba CPU backend on the same models, in the same process
+             (side by side: the machine may be shared, compare within one run)
 
 Models:
   stories      stories260K (/work/shared/models/stories260K), dense float32 and RTN INT4
@@ -15,7 +19,11 @@ Kernels: y[1, out] = x[1, in] @ W.T for the SmolLM2 shapes in every weight forma
 over repeated launches (queue drained once); GB/s counts the weight bytes read.
 
 Numbers on PoCL (a CPU OpenCL device) measure the kernels' portability and per-launch
-overhead, not GPU speed. Prints a table and one JSON line per measurement.
+overhead, not GPU speed. OpenCL model rows report ``launches_per_token`` (kernels enqueued
+per decode token) and whether the fused decode path was on. Kernel rows time
+one ``linear`` (the row kernel of the fused path on CPU devices, the per-op GEMV
+elsewhere) with its output read back on the device (pending outputs forced).
+Prints one JSON line per measurement.
 """
 from __future__ import annotations
 
@@ -107,14 +115,19 @@ def bench_model(be, name, cfg, tensors, prompt: int, gen: int) -> dict:
     logits = model.forward(ids, cache)
     prefill_s = time.perf_counter() - t0
     tok = int(np.argmax(logits[-1]))
+    n0 = getattr(be, "launches", None)
     t0 = time.perf_counter()
     for _ in range(gen):
         tok = int(np.argmax(model.forward(np.array([tok], np.int32), cache)[-1]))
     decode_s = time.perf_counter() - t0
     device = getattr(be, "device_info", {}).get("name", "numpy")
-    return {"model": name, "backend": be.name, "device": device, "upload_s": round(upload_s, 3),
-            "prompt": prompt, "prefill_tok_s": round(prompt / prefill_s, 2), "gen": gen,
-            "decode_tok_s": round(gen / decode_s, 2), "ms_per_token": round(1e3 * decode_s / gen, 2)}
+    out = {"model": name, "backend": be.name, "device": device, "upload_s": round(upload_s, 3),
+           "prompt": prompt, "prefill_tok_s": round(prompt / prefill_s, 2), "gen": gen,
+           "decode_tok_s": round(gen / decode_s, 2), "ms_per_token": round(1e3 * decode_s / gen, 2)}
+    if n0 is not None:
+        out["fused"] = bool(be.caps.fused)
+        out["launches_per_token"] = round((be.launches - n0) / gen, 1)
+    return out
 
 
 def bench_kernels(be, reps: int = 20) -> list[dict]:
@@ -129,11 +142,12 @@ def bench_kernels(be, reps: int = 20) -> list[dict]:
         for fmt, w in weights.items():
             dw = be.upload_weight(w)
             x = be.upload(rng.standard_normal((1, n_in)).astype(np.float32))
-            be.linear(x, dw)
+            be.linear(x, dw).buf  # .buf enqueues a pending (fused-path) op
             be.queue.finish()
             t0 = time.perf_counter()
             for _ in range(reps):
                 y = be.linear(x, dw)
+                y.buf
             be.queue.finish()
             dt = (time.perf_counter() - t0) / reps
             del y
@@ -167,6 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the numpy reference")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also time the per-op (unfused) decode path on the same device")
+    ap.add_argument("--cpu", action="store_true", help="also time the Numba CPU backend")
+    ap.add_argument("--threads", type=int, default=None, help="CPU backend threads")
     ap.add_argument("--json", default=None, help="write all results to this file")
     args = ap.parse_args(argv)
 
@@ -192,8 +210,19 @@ def main(argv=None) -> int:
             models += stories_models()
         elif m == "smollm2-rand":
             models += smollm2_random()
+    extra = []
+    if args.unfused:
+        import dataclasses
+
+        ub = OpenCLBackend(device=args.device)
+        ub.caps = dataclasses.replace(ub.caps, fused=False)
+        extra.append(ub)
+    if args.cpu:
+        from edgeinfer.backends import get_backend
+
+        extra.append(get_backend("cpu", **({"threads": args.threads} if args.threads else {})))
     for name, cfg, tensors in models:
-        backends = [be] + ([ReferenceBackend()] if args.reference else [])
+        backends = [be] + extra + ([ReferenceBackend()] if args.reference else [])
         for b in backends:
             r = bench_model(b, name, cfg, tensors, args.prompt, args.gen)
             results.append(r)

@@ -145,7 +145,7 @@ class Model:
     @staticmethod
     def _checked_opencl(backend, source: ModelSource, kv_dtype: str, threads: int | None):
         from .backends import get_backend
-        from .backends.opencl import self_check
+        from .selfcheck import self_check
 
         ok, err = self_check(source.config, source.tensors, backend, kv_dtype=kv_dtype)
         if ok:

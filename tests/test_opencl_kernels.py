@@ -25,12 +25,18 @@ from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
 from edgeinfer.backends.reference import ReferenceBackend
 
 
-@pytest.fixture(scope="module")
-def be():
+@pytest.fixture(scope="module", params=[True, False], ids=["fused", "unfused"])
+def be(request):
+    """The device's backend with the fused decode path / row kernels (fused.cl) forced on,
+    then off (the per-op kernels GPUs use), so both kernel sets run on any device."""
+    import dataclasses
+
     try:
-        return OpenCLBackend()
+        b = OpenCLBackend()
     except OpenCLUnavailableError as e:
         pytest.skip(f"no usable OpenCL device: {e}")
+    b.caps = dataclasses.replace(b.caps, fused=request.param)
+    return b
 
 
 REF = ReferenceBackend()
@@ -185,6 +191,20 @@ def test_linear_gemm_many_tiles(be, fmt):
     w = {"dense": rng.standard_normal((70, 100)).astype(np.float32),
          "q4": rand_q4(rng, 70, 100, 32, False), "q8": rand_q8(rng, 70, 100, 50)}[fmt]
     _check_linear(be, rng, w, 130, bias=True)
+
+
+def test_row_kernels_fall_back_beyond_kmax(be):
+    """Inputs wider than the row kernels' local staging buffer take the per-op kernels."""
+    import dataclasses
+
+    rng = np.random.default_rng(21)
+    small = OpenCLBackend()
+    small.caps = dataclasses.replace(be.caps, kmax=64)
+    for n_in in (64, 100):
+        w = rand_q4(rng, 12, n_in, 32, False)
+        assert small._row_ok(small.upload_weight(w)) == (n_in <= 64)
+        for t in (1, 3):
+            _check_linear(small, rng, w, t, bias=True)
 
 
 def test_linear_large_magnitudes(be):

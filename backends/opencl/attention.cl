@@ -27,6 +27,41 @@ __kernel void kv_write(__global KV_T* kc, __global KV_T* vc, __global const floa
     KV_STORE(v[i], vc, off + i);
 }
 
+// Decode fusion (T = 1) of rope(q), rope(k) and kv_write: qo[Hq, hd] = rope(q),
+// kc[off + i] = rope(k)[i], vc[off + i] = v[i] (i < Hkv*hd), all at position pos. Same
+// rotation as dense.cl's rope (NeoX pairs (d, d + r2), dims >= 2*r2 copied).
+// One item per element of q, then k, then v: global >= (Hq + 2*Hkv) * hd.
+inline float rope_at(__global const float* x, __global const float* cosv,
+                     __global const float* sinv, int idx, int p, int hd, int r2)
+{
+    const int d = idx % hd, base = idx - d;
+    if (d < r2) {
+        const float c = cosv[p * r2 + d], s = sinv[p * r2 + d];
+        return x[base + d] * c - x[base + d + r2] * s;
+    }
+    if (d < 2 * r2) {
+        const int i = d - r2;
+        const float c = cosv[p * r2 + i], s = sinv[p * r2 + i];
+        return x[base + d] * c + x[base + i] * s;
+    }
+    return x[idx];
+}
+
+__kernel void rope_kv_write(__global float* qo, __global KV_T* kc, __global KV_T* vc,
+                            __global const float* q, __global const float* k,
+                            __global const float* v, __global const float* cosv,
+                            __global const float* sinv, int pos, int Hq, int Hkv, int hd,
+                            int r2, int off)
+{
+    int i = get_global_id(0);
+    const int nq = Hq * hd, nk = Hkv * hd;
+    if (i < nq) { qo[i] = rope_at(q, cosv, sinv, i, pos, hd, r2); return; }
+    i -= nq;
+    if (i < nk) { KV_STORE(rope_at(k, cosv, sinv, i, pos, hd, r2), kc, off + i); return; }
+    i -= nk;
+    if (i < nk) KV_STORE(v[i], vc, off + i);
+}
+
 // out[T, Hq, hd] = softmax_j(q[t,h] . K[j, h/(Hq/Hkv)] * scale) @ V over keys
 // lo <= j <= p, p = start_pos + t, lo = max(0, p - window + 1) (window 0 = global).
 // One work-group per (h, t). Keys are visited in blocks of LWS (one key per item) with

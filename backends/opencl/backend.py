@@ -4,10 +4,28 @@ Weights are uploaded once (repacked, :mod:`.memory`); activations and the KV cac
 the device; the only device->host copy of a step is the final logits row. Dispatch:
 ``linear`` with T == 1 uses the GEMV kernels (one work-group per row block), T > 1 (or a
 group size the word-wise GEMV cannot take) the tiled GEMM.
+
+Fused decode (``caps.fused``: CPU devices such as PoCL, where every launch costs tens of
+microseconds). With T == 1, ``rmsnorm`` (one row), ``linear``, ``add`` of a pending
+``linear`` and ``rope`` return tensors whose kernel is *pending* (``_Block.node``);
+reading a tensor's ``buf`` enqueues its pending op, so every op stays correct on its own.
+Consumers that recognise a pending producer fuse it instead (``fused.cl``):
+
+* ``linear`` x3 on the same input (q/k/v) -> one ``gemv_rows`` launch when the first is read;
+* a pending ``rmsnorm`` as a GEMV input -> computed in that GEMV's prologue;
+* ``glu(linear(h, gate), linear(h, up))`` -> one launch;
+* ``add(x, linear(a, W))`` -> the residual added in the GEMV's epilogue;
+* ``attention(rope(q), rope(k), v)`` on an f32/f16 cache -> one ``rope_kv_write`` launch
+  (rotated q, rotated k and v into the cache) before the attention kernel.
+
+A llama decoder layer is then 6 launches (was 16) and no step synchronizes with the
+host except the logits read. Pending ops hold references to their inputs, never to
+their own output block (no reference cycles: blocks return to the pool immediately).
 """
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -23,13 +41,72 @@ from .device import (
 from .kvcache import DeviceKVCache
 from .memory import BufferPool, DeviceTensor, DeviceWeight, owned_tensor, repack_weight
 
-_I = np.int32
-_F = np.float32
+# Scalar kernel arguments are plain Python numbers: every kernel has declared scalar dtypes
+# (device.scalar_arg_dtypes), the fast pyopencl path; numpy scalars cost ~25 us each.
+_I = int
+_F = float
 _ACTS = {"silu": 0, "gelu_tanh": 1, "gelu_pytorch_tanh": 1}
+_WFMT = {"f32": 0, "q4": 1, "q8": 2}
+# flags of fused.cl's gemv_rows
+_F_ZEROS, _F_NORM, _F_NORM_OFF, _F_RES, _F_GLU, _F_GELU = 1, 2, 4, 8, 16, 32
+_F_BIAS = (64, 128, 256)
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+# ---- pending (deferred) ops of the fused decode path ---------------------------------------
+# Each is stored on the output's _Block and run by DeviceTensor.buf (or fused by a consumer).
+# run() must clear blk.node before enqueuing, and a node never references its own block.
+
+class _NormNode:
+    """Pending y[1, N] = rmsnorm(x[1, N])."""
+
+    __slots__ = ("be", "eps", "off", "w", "x")
+
+    def __init__(self, be, x, w, eps, off):
+        self.be, self.x, self.w, self.eps, self.off = be, x, w, eps, off
+
+    def run(self, blk):
+        blk.node = None
+        self.be._rmsnorm_into(blk.buf, self.x, self.w, self.eps, self.off)
+
+
+class _Group:
+    """Pending GEMVs on one input that launch together (q/k/v):
+    [(weakref(block), weakref(node))]; weak both ways, so no node <-> group cycle keeps
+    buffers from returning to the pool."""
+
+    __slots__ = ("closed", "key", "members")
+
+    def __init__(self, key):
+        self.key, self.members, self.closed = key, [], False
+
+
+class _GemvNode:
+    """Pending y[1, N] = x[1, K] @ W.T (+ bias) (+ res)."""
+
+    __slots__ = ("__weakref__", "be", "bias", "group", "res", "w", "x")
+
+    def __init__(self, be, x, w, bias, res, group):
+        self.be, self.x, self.w, self.bias, self.res, self.group = be, x, w, bias, res, group
+
+    def run(self, blk):
+        self.be._run_gemv(self, blk)
+
+
+class _RopeNode:
+    """Pending y[1, H, hd] = rope(x) at position p0."""
+
+    __slots__ = ("be", "cos", "p0", "sin", "x")
+
+    def __init__(self, be, x, cos, sin, p0):
+        self.be, self.x, self.cos, self.sin, self.p0 = be, x, cos, sin, p0
+
+    def run(self, blk):
+        blk.node = None
+        self.be._rope_into(blk.buf, self.x, self.cos, self.sin, self.p0, None)
 
 
 class OpenCLBackend(Backend):
@@ -73,13 +150,28 @@ class OpenCLBackend(Backend):
         # global size, and PoCL compiles a kernel once per local size.
         self._ew = (min(64, self.caps.max_wg),)
         self._ew2 = (self._ew[0], 1)
+        self._group: _Group | None = None  # the open q/k/v group of the fused path
+        self.launches = 0  # kernels enqueued so far (tests and benchmarks count them)
 
     def __repr__(self) -> str:
         return f"OpenCLBackend({self.device_info['platform']} / {self.device_info['name']})"
 
     # ---- helpers -----------------------------------------------------------------------
     def _k(self, file: str, name: str, **variant):
+        """The kernel to launch next (each call is followed by exactly one launch)."""
+        self.launches += 1
         return self._dc.kernel(file, name, **variant)
+
+    @property
+    def fused(self) -> bool:
+        """Whether T == 1 ops are deferred and fused (see the module docstring)."""
+        return self.caps.fused
+
+    def _row_ok(self, w: DeviceWeight) -> bool:
+        """Whether fused.cl's row kernels take weight ``w``."""
+        if w.scale_half or _round_up(w.in_features, 8) > self.caps.kmax:
+            return False
+        return w.fmt == "f32" or w.n_groups == 1 or w.group_size % 8 == 0
 
     def _new(self, shape, dtype=np.float32) -> DeviceTensor:
         """A pooled activation tensor (uninitialized)."""
@@ -156,6 +248,8 @@ class OpenCLBackend(Backend):
         if step != 1:
             raise ValueError("select_rows supports contiguous slices only")
         n = max(stop - start, 0)
+        if start == 0 and n == x.shape[0]:
+            return x  # the whole tensor (decode's last row): no copy, pending ops stay fusable
         row_bytes = x.nbytes // max(x.shape[0], 1)
         y = self._new((n,) + x.shape[1:], x.dtype)
         if n:
@@ -202,12 +296,19 @@ class OpenCLBackend(Backend):
         n = x.shape[-1]
         if w.size != n:
             raise ValueError(f"rmsnorm weight has {w.size} elements for rows of {n}")
-        rows = x.size // n
         y = self._new(x.shape)
-        lws = self.caps.lws
-        self._k("dense.cl", "rmsnorm")(self.queue, (rows * lws,), (lws,), y.buf, x.buf, w.buf,
-                                       _I(n), _F(eps), _I(bool(unit_offset)))
+        if self.caps.fused and x.size == n and n <= self.caps.kmax:
+            y._block.node = _NormNode(self, x, w, eps, bool(unit_offset))
+            return y
+        self._rmsnorm_into(y.buf, x, w, eps, unit_offset)
         return y
+
+    def _rmsnorm_into(self, out, x, w, eps, unit_offset):
+        n = x.shape[-1]
+        rows = x.size // n
+        lws = self.caps.lws
+        self._k("dense.cl", "rmsnorm")(self.queue, (rows * lws,), (lws,), out, x.buf, w.buf,
+                                       _I(n), _F(eps), _I(bool(unit_offset)))
 
     def linear(self, x, w, bias=None):
         """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]); W from upload_weight()."""
@@ -221,8 +322,31 @@ class OpenCLBackend(Backend):
         t = x.size // k
         y = self._new((t, n))
         has_b = bias is not None
-        b = self._check(bias, "bias").buf if has_b else None
         c = self.caps
+        if t == 1 and c.fused and self._row_ok(w):
+            if has_b:
+                self._check(bias, "bias")
+            key = (id(x._block), w.fmt, w.stride, w.n_groups, w.group_size,
+                   w.zeros is not None, k)
+            g = self._group
+            if g is None or g.closed or g.key != key or len(g.members) >= 3:
+                g = self._group = _Group(key)
+            node = _GemvNode(self, x, w, bias, None, g)
+            g.members.append((weakref.ref(y._block), weakref.ref(node)))
+            y._block.node = node
+            return y
+        b = self._check(bias, "bias").buf if has_b else None
+        if c.fused and t > 1 and self._row_ok(w):
+            # prefill on a CPU device: the row kernel with a token loop (gemm.cl's tiles
+            # and barriers are slow under PoCL)
+            kw = -(-k // 8)
+            wpg = kw if (w.fmt == "f32" or w.n_groups == 1) else w.group_size // 8
+            flags = (_F_ZEROS if w.zeros is not None else 0) | (_F_BIAS[0] if has_b else 0)
+            r = c.rlws
+            self._k("fused.cl", "gemm_rows", WFMT=_WFMT[w.fmt], RLWS=r, KMAX=c.kmax)(
+                self.queue, (_round_up(n, r),), (r,), y.buf, x.buf, w.codes, w.scales, w.zeros,
+                b, _I(t), _I(n), _I(k), _I(kw), _I(w.stride), _I(w.n_groups), _I(wpg), _I(flags))
+            return y
         if t == 1 and w.gemv_ok:
             g, l = (_round_up(n, c.rows) // c.rows * c.lws,), (c.lws,)
             if w.fmt == "f32":
@@ -268,13 +392,22 @@ class OpenCLBackend(Backend):
         if t == 0:
             return y
         p0 = int(positions[0])
+        if t == 1 and self.caps.fused:
+            y._block.node = _RopeNode(self, x, cos, sin, p0)
+            return y
         contiguous = bool(np.array_equal(positions, np.arange(p0, p0 + t)))
-        pos = None if contiguous else self._host_ints(positions)
-        total = x.size
-        self._k("dense.cl", "rope")(self.queue, self._gsize(total), self._ew, y.buf, x.buf, cos.buf,
-                                    sin.buf, None if pos is None else pos.buf, _I(p0),
-                                    _I(not contiguous), _I(h), _I(hd), _I(r2), _I(total))
+        self._rope_into(y.buf, x, cos, sin, p0, None if contiguous else positions)
         return y
+
+    def _rope_into(self, out, x, cos, sin, p0, positions):
+        """rope of x into buffer ``out``; positions p0.. (or the int32 array ``positions``)."""
+        t, h, hd = x.shape
+        r2 = cos.shape[1]
+        pos = None if positions is None else self._host_ints(positions)
+        total = x.size
+        self._k("dense.cl", "rope")(self.queue, self._gsize(total), self._ew, out, x.buf, cos.buf,
+                                    sin.buf, None if pos is None else pos.buf, _I(p0),
+                                    _I(pos is not None), _I(h), _I(hd), _I(r2), _I(total))
 
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         """Causal GQA attention appending k, v [T, Hkv, hd] to ``cache``; returns [T, Hq, hd].
@@ -308,9 +441,22 @@ class OpenCLBackend(Backend):
         off = cache.layer_offset(layer)
         kv_half = int(cache.dtype == "f16")
         n = t * hkv * hd
-        self._k("attention.cl", "kv_write", KV_HALF=kv_half)(
-            self.queue, self._gsize(n), self._ew, cache.k, cache.v, k.buf, v.buf,
-            _I(off + start_pos * hkv * hd), _I(n))
+        qn, kn = q.pending, k.pending
+        if (t == 1 and isinstance(qn, _RopeNode) and isinstance(kn, _RopeNode)
+                and qn.cos is kn.cos and qn.sin is kn.sin and qn.p0 == kn.p0 == start_pos
+                and qn.x.size == q.size and kn.x.size == k.size):
+            # rope(q), rope(k) and the cache write in one launch; k's own buffer is never
+            # needed (its pending rope still runs if someone reads it)
+            q._block.node = None
+            total = (hq + 2 * hkv) * hd
+            self._k("attention.cl", "rope_kv_write", KV_HALF=kv_half)(
+                self.queue, self._gsize(total), self._ew, q.buf, cache.k, cache.v, qn.x.buf,
+                kn.x.buf, v.buf, qn.cos.buf, qn.sin.buf, _I(start_pos), _I(hq), _I(hkv),
+                _I(hd), _I(qn.cos.shape[1]), _I(off + start_pos * hkv * hd))
+        else:
+            self._k("attention.cl", "kv_write", KV_HALF=kv_half)(
+                self.queue, self._gsize(n), self._ew, cache.k, cache.v, k.buf, v.buf,
+                _I(off + start_pos * hkv * hd), _I(n))
         lws = self.caps.lws
         c = self.caps.split_kv_chunk
         n_keys = start_pos + t if window is None else min(start_pos + t, window + t - 1)
@@ -361,6 +507,14 @@ class OpenCLBackend(Backend):
             raise ValueError(f"glu shapes differ: {gate.shape} vs {up.shape}")
         y = self._new(gate.shape)
         n = gate.size
+        gn, un = gate.pending, up.pending
+        if (isinstance(gn, _GemvNode) and isinstance(un, _GemvNode) and gn.res is None
+                and un.res is None and gn.x._block is un.x._block
+                and gn.w.out_features == n and un.w.out_features == n
+                and self._compatible(gn.w, un.w)):
+            self._launch_rows(gn.x, [(y.buf, gn.w, gn.bias), (None, un.w, un.bias)],
+                              glu=_ACTS[act])
+            return y
         self._k("dense.cl", "glu")(self.queue, self._gsize(n), self._ew, y.buf, gate.buf, up.buf,
                                    _I(n), _I(_ACTS[act]))
         return y
@@ -372,5 +526,78 @@ class OpenCLBackend(Backend):
             raise ValueError(f"add shapes differ: {a.shape} vs {b.shape}")
         y = self._new(a.shape)
         n = a.size
+        for p, r in ((b, a), (a, b)):
+            nd = p.pending
+            if isinstance(nd, _GemvNode) and nd.res is None and nd.w.out_features == n:
+                y._block.node = _GemvNode(self, nd.x, nd.w, nd.bias, r, None)
+                return y
         self._k("dense.cl", "add")(self.queue, self._gsize(n), self._ew, y.buf, a.buf, b.buf, _I(n))
         return y
+
+    # ---- fused decode: GEMV launches ------------------------------------------------------
+    @staticmethod
+    def _compatible(a: DeviceWeight, b: DeviceWeight) -> bool:
+        return (a.fmt == b.fmt and a.stride == b.stride and a.n_groups == b.n_groups
+                and a.group_size == b.group_size and a.in_features == b.in_features
+                and (a.zeros is None) == (b.zeros is None))
+
+    def _run_gemv(self, node: _GemvNode, blk) -> None:
+        """Enqueue a pending GEMV, with every still-pending member of its q/k/v group."""
+        members = []
+        g = node.group
+        if g is not None and not g.closed:
+            g.closed = True
+            for bref, nref in g.members:
+                b, nd = bref(), nref()
+                if b is not None and nd is not None and b.node is nd and nd.x._block is node.x._block:
+                    members.append((b, nd))
+            g.members.clear()
+        if not any(b is blk for b, _ in members):
+            members = [(blk, node)]
+        for b, _ in members:
+            b.node = None
+        self._launch_rows(node.x, [(b.buf, nd.w, nd.bias) for b, nd in members], res=node.res)
+
+    def _launch_rows(self, x: DeviceTensor, outs, res=None, glu=None) -> None:
+        """One ``gemv_rows`` launch: ``outs`` [(out buffer, weight, bias)] (1-3 weights on
+        the same input; with ``glu`` two: gate, up). A pending rmsnorm of ``x`` is fused."""
+        w0 = outs[0][1]
+        flags = _F_ZEROS if w0.zeros is not None else 0
+        nn = x.pending
+        if isinstance(nn, _NormNode):
+            flags |= _F_NORM | (_F_NORM_OFF if nn.off else 0)
+            xin, normw, eps = nn.x, nn.w.buf, nn.eps
+        else:
+            xin, normw, eps = x, None, 0.0
+        if res is not None:
+            flags |= _F_RES
+        if glu is not None:
+            flags |= _F_GLU | (_F_GELU if glu == 1 else 0)
+        args = []
+        ns = []
+        for i in range(3):
+            if i < len(outs):
+                buf, w, bias = outs[i]
+                if bias is not None:
+                    flags |= _F_BIAS[i]
+                args.append((w.codes, w.scales, w.zeros, None if bias is None else bias.buf))
+                ns.append(w.out_features)
+            else:
+                args.append((None, None, None, None))
+                ns.append(0)
+        k = w0.in_features
+        kw = -(-k // 8)
+        if w0.fmt == "f32" or w0.n_groups == 1:
+            wpg = kw
+        else:
+            wpg = w0.group_size // 8
+        rows = ns[0] if glu is not None else sum(ns)
+        ys = [o[0] for o in outs] + [None] * (3 - len(outs))
+        if glu is not None:
+            ys[1] = None
+        r = self.caps.rlws
+        self._k("fused.cl", "gemv_rows", WFMT=_WFMT[w0.fmt], RLWS=r, KMAX=self.caps.kmax)(
+            self.queue, (_round_up(rows, r),), (r,), ys[0], ys[1], ys[2], xin.buf, normw,
+            None if res is None else res.buf, *args[0], *args[1], *args[2],
+            _I(ns[0]), _I(ns[1]), _I(ns[2]), _I(k), _I(kw), _I(w0.stride), _I(w0.n_groups),
+            _I(wpg), _I(flags), _F(eps))

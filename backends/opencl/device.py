@@ -8,12 +8,20 @@ Device specs accepted by :func:`select_device` (and the ``EDGEINFER_OPENCL_DEVIC
 environment variable read by the backend): ``"N"`` (index into :func:`list_devices`),
 ``"P:D"`` (platform P, its device D), or a case-insensitive substring of
 "platform name / device name". ``None`` picks the first GPU, else accelerator, else CPU.
+
+Kernel objects are built once per (file, name, build options) and carry declared scalar
+argument dtypes (:func:`scalar_arg_dtypes`), so launches pass plain Python numbers through
+pyopencl's fast path. ``EDGEINFER_OPENCL_FUSED=0/1`` turns the fused decode path (CPU
+devices' default, see ``backend.py``) off or on.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .. import quantized as _q
 
@@ -30,6 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = e
 
 ENV_DEVICE = "EDGEINFER_OPENCL_DEVICE"
+ENV_FUSED = "EDGEINFER_OPENCL_FUSED"
 KERNEL_DIR = Path(__file__).resolve().parent
 
 
@@ -88,6 +97,10 @@ class DeviceCaps:
         max_wg: the device's largest work-group.
         split_kv_chunk: keys per work-group of the split-KV attention (0 = never split);
             used when at most ``split_kv_max_t`` queries see more than two chunks.
+        fused: decode (T = 1) defers ops and runs the fused row-per-item kernels of
+            ``fused.cl`` (CPU devices; ``EDGEINFER_OPENCL_FUSED=0/1`` overrides).
+        rlws: work-group size of the row kernels (rows per group).
+        kmax: most input features the row kernels stage in local memory.
     """
 
     fp16: bool
@@ -100,6 +113,9 @@ class DeviceCaps:
     max_wg: int
     split_kv_chunk: int = 0
     split_kv_max_t: int = 4
+    fused: bool = False
+    rlws: int = 16
+    kmax: int = 8192
 
 
 def _pow2_floor(n: int) -> int:
@@ -129,7 +145,21 @@ def probe_caps(dev) -> DeviceCaps:
         lws=max(lws, 2), rows=rows, ts=ts, rt=4, max_hd=256, max_wg=_pow2_floor(max_wg),
         # GPUs need many work-groups in flight: decode has only Hq of them unless the keys
         # are split. A CPU has 2-16 cores, which Hq groups already fill.
-        split_kv_chunk=0 if is_cpu else 256)
+        split_kv_chunk=0 if is_cpu else 256,
+        # One output row per work-item suits a CPU (a group is a loop on one core) and is
+        # what the fused decode kernels do; GPUs keep the cooperative per-op kernels
+        # (a row per item would not coalesce), so they run unfused.
+        fused=_env_flag(ENV_FUSED, is_cpu), rlws=min(16, _pow2_floor(max_wg)),
+        kmax=max(8, min(8192, (local // 4 - 64) // 8 * 8)))
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "").strip().lower()
+    if v in ("0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    return default
 
 
 def _describe(pi: int, di: int, plat, dev, index: int) -> dict:
@@ -240,6 +270,36 @@ def layout_defines() -> dict[str, str]:
     }
 
 
+_SCALAR_DTYPES = {"int": np.int32, "uint": np.uint32, "float": np.float32}
+
+
+def scalar_arg_dtypes(src: str, name: str) -> list:
+    """Per argument of kernel ``name`` in ``src``: the numpy dtype of a scalar, None for a
+    pointer (for ``Kernel.set_scalar_arg_dtypes``).
+
+    Why: pyopencl sets an untyped numpy-scalar argument through a slow generic path
+    (20-30 us per scalar on PoCL, measured: 300 us of Python per GEMV launch with 10
+    scalars); with declared dtypes it packs plain Python numbers with ``struct`` (~11 us
+    per whole launch).
+
+    Raises:
+        ValueError: no ``__kernel`` named ``name``, or an argument type not handled.
+    """
+    m = re.search(r"__kernel\b[^;{]*?\bvoid\s+" + re.escape(name) + r"\s*\(([^)]*)\)", src)
+    if m is None:
+        raise ValueError(f"kernel {name!r} not found in its source")
+    out = []
+    for arg in m.group(1).split(","):
+        if "*" in arg:
+            out.append(None)
+            continue
+        words = [w for w in arg.split() if w not in ("const", "__private")]
+        if len(words) != 2 or words[0] not in _SCALAR_DTYPES:
+            raise ValueError(f"kernel {name!r}: unsupported scalar argument {arg.strip()!r}")
+        out.append(_SCALAR_DTYPES[words[0]])
+    return out
+
+
 # Extra compiler flags per kernel file. The quantized KV cache computes codes as
 # rint(y / s): a correctly rounded division makes them equal numpy's bit for bit.
 _FILE_FLAGS = {"attention_q.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
@@ -256,11 +316,13 @@ class DeviceContext:
         self.caps = probe_caps(dev)
         self._programs: dict[tuple, object] = {}
         self._kernels: dict[tuple, object] = {}
+        self._sources: dict[str, str] = {}
         self.builds = 0  # number of programs compiled (tests check the cache works)
 
     def options(self, **variant) -> list[str]:
         c = self.caps
-        d = dict(layout_defines(), LWS=c.lws, ROWS=c.rows, TS=c.ts, RT=c.rt, MAX_HD=c.max_hd)
+        d = dict(layout_defines(), LWS=c.lws, ROWS=c.rows, TS=c.ts, RT=c.rt, MAX_HD=c.max_hd,
+                 RLWS=c.rlws, KMAX=c.kmax)
         d.update(variant)
         return [f"-D{k}={v}" for k, v in sorted(d.items())]
 
@@ -272,8 +334,8 @@ class DeviceContext:
             opts = self.options(**variant)
             pkey = (file, tuple(opts))
             prog = self._programs.get(pkey)
+            src = self._source(file)
             if prog is None:
-                src = (KERNEL_DIR / "common.cl").read_text() + "\n" + (KERNEL_DIR / file).read_text()
                 try:
                     prog = cl.Program(self.context, src).build(
                         options=opts + _FILE_FLAGS.get(file, []))
@@ -283,9 +345,17 @@ class DeviceContext:
                         f"{self.device.name.strip()}: {e}") from e
                 self._programs[pkey] = prog
                 self.builds += 1
-            k = getattr(prog, name)
+            k = cl.Kernel(prog, name)
+            k.set_scalar_arg_dtypes(scalar_arg_dtypes(src, name))
             self._kernels[key] = k
         return k
+
+    def _source(self, file: str) -> str:
+        src = self._sources.get(file)
+        if src is None:
+            src = (KERNEL_DIR / "common.cl").read_text() + "\n" + (KERNEL_DIR / file).read_text()
+            self._sources[file] = src
+        return src
 
 
 _CONTEXTS: dict[int, DeviceContext] = {}

@@ -56,12 +56,18 @@ class BufferPool:
 
 
 class _Block:
-    """Owns one pooled buffer; returns it to the pool when collected."""
+    """Owns one pooled buffer; returns it to the pool when collected.
 
-    __slots__ = ("buf", "pool", "size")
+    ``node`` is the pending (not yet enqueued) op that will write the buffer, or None:
+    the OpenCL backend defers some decode ops so that it can fuse them (see
+    ``backend.py``); reading :attr:`DeviceTensor.buf` enqueues the pending op first.
+    """
+
+    __slots__ = ("__weakref__", "buf", "node", "pool", "size")
 
     def __init__(self, buf, size: int, pool: BufferPool | None):
         self.buf, self.size, self.pool = buf, size, pool
+        self.node = None
 
     def __del__(self):
         if self.pool is not None:  # owned (non-pooled) buffers are simply freed
@@ -85,7 +91,16 @@ class DeviceTensor:
 
     @property
     def buf(self):
-        return self._block.buf
+        """The buffer, after enqueuing the op that computes it if that op is still pending."""
+        b = self._block
+        if b.node is not None:
+            b.node.run(b)
+        return b.buf
+
+    @property
+    def pending(self):
+        """The pending op that will write this tensor's buffer, or None."""
+        return self._block.node
 
     @property
     def size(self) -> int:
@@ -124,18 +139,24 @@ class DeviceWeight:
     """A linear / embedding weight ``W[out, in]`` repacked for the kernels.
 
     Formats (``fmt``):
-      * ``"f32"``: ``codes`` float32 ``[out, stride]``, rows zero-padded to a multiple of 4.
+      * ``"f32"``: ``codes`` float32 ``[out, stride]``, rows zero-padded to a multiple of 8.
       * ``"q4"``: ``codes`` uint32 ``[out, stride]`` (8 nibbles per word, low first: the
         on-disk bytes viewed little-endian, rows padded to whole words), ``scales``
-        fp16/f32 ``[out, n_groups]``, ``zeros`` uint8 ``[out, n_groups]`` unpacked from the
-        nibble-packed zero points (or None: symmetric, z = 8).
-      * ``"q8"``: ``codes`` int8 ``[out, stride]`` (padded to a multiple of 4), ``scales``.
+        float32 ``[out, n_groups]`` (fp16 scales are widened at upload: the CPU kernels
+        avoid vload_half, a library call on PoCL, for +2 bytes per group), ``zeros`` uint8
+        ``[out, n_groups]`` unpacked from the nibble-packed zero points (or None:
+        symmetric, z = 8).
+      * ``"q8"``: ``codes`` int8 ``[out, stride]`` (padded to a multiple of 8), ``scales``.
     Codes, scales and zero points live in separate buffers (structure of arrays) so each
     GEMV work-group streams a row's codes contiguously.
 
     Attributes:
         gemv_ok: the word-wise GEMV kernel applies (a code word never straddles a group);
-            otherwise every T uses the GEMM kernel, which dequantizes per element.
+            otherwise every T uses the GEMM kernel, which dequantizes per element. The
+            row kernels of ``fused.cl`` have the same condition (int8 included: 8-column
+            words) plus ``in_features`` within the device's ``caps.kmax``.
+        scale_half: whether ``scales`` are fp16 (kept for the kernels' SCALE_HALF variant;
+            :func:`repack_weight` now always stores float32).
     """
 
     fmt: str
@@ -176,9 +197,8 @@ def repack_weight(context, w: np.ndarray | QuantizedTensor) -> DeviceWeight:
         ValueError: not 2-D, or an unsupported dtype.
     """
     if isinstance(w, QuantizedTensor):
-        s = np.asarray(w.scales)
-        half = s.dtype == np.float16  # fp16 stays fp16 (vload_half); anything else -> f32
-        s = s if half else s.astype(np.float32)
+        s = np.asarray(w.scales).astype(np.float32)  # exact widening of fp16
+        half = False
         n, ng, g = w.out_features, w.n_groups, w.group_size
         if w.bits == 4:
             wpr = -(-w.in_padded // 8)
@@ -188,7 +208,7 @@ def repack_weight(context, w: np.ndarray | QuantizedTensor) -> DeviceWeight:
             return DeviceWeight("q4", n, w.in_features, _buf(context, codes), _buf(context, s),
                                 None if zeros is None else _buf(context, zeros), wpr, ng, g,
                                 half, ng == 1 or g % 8 == 0, nbytes)
-        kp = -(-w.in_padded // 4) * 4
+        kp = -(-w.in_padded // 8) * 8
         codes = _pad_cols(np.asarray(w.qweight, np.int8), kp)
         return DeviceWeight("q8", n, w.in_features, _buf(context, codes), _buf(context, s), None,
                             kp, ng, g, half, ng == 1 or g % 4 == 0, codes.nbytes + s.nbytes)
@@ -197,7 +217,7 @@ def repack_weight(context, w: np.ndarray | QuantizedTensor) -> DeviceWeight:
         raise ValueError(f"a linear weight must be 2-D [out, in], got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.floating):
         raise ValueError(f"dense weights must be floating point, got {a.dtype}")
-    kp = -(-a.shape[1] // 4) * 4
+    kp = -(-a.shape[1] // 8) * 8
     codes = _pad_cols(a.astype(np.float32, copy=False), kp)
     return DeviceWeight("f32", a.shape[0], a.shape[1], _buf(context, codes), None, None, kp,
                         1, kp, False, True, codes.nbytes)
