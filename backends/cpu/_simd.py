@@ -1,0 +1,259 @@
+"""SIMD integer-dot row kernels emitted as LLVM IR (llvmlite) and called from Numba.
+
+Why IR and not plain Numba loops: a Numba loop over nibbles widens ``uint8 & 15`` to
+int64, reduces horizontally once per group and converts per element; measured at
+1-2 GB/s (see PERF-NOTES). Here one 32-byte load yields 64 4-bit codes in lane order,
+``pmaddubsw`` (u8 x s8 -> pairwise s16) + ``pmaddwd`` (s16 x 1 -> s32) form 8 partial
+integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe),
+and one float FMA per block applies ``scale_w * scale_x``. The 8-float accumulators of
+R rows stay in registers across the whole row; the horizontal sum happens once per row.
+
+Layouts consumed (built by :mod:`.repack`):
+
+* 4-bit: ``wp`` uint8 ``[rows, nb * 16]``; 32-byte chunk ``c`` holds block ``2c`` in the
+  low nibbles and block ``2c + 1`` in the high nibbles, each in natural column order.
+* 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored (symmetric); the dot uses
+  ``pmaddubsw(|w|, sign(x, w))``.
+
+Activations: ``xq`` int8 ``[nb * 32]`` and ``dx`` float32 ``[nb]`` (per-block scale).
+Scales: ``sc`` float32 ``[rows, ng]``; ``bmap`` int32 ``[nb]`` maps block -> group.
+
+The kernels compute, for each of R rows starting at ``r0``:
+``y[r] = sum_b sc[r, bmap[b]] * dx[b] * sum_{k in b} code[r, k] * xq[k]`` (no zero-point
+term; the caller subtracts it). Only emitted when the host has AVX2 (:data:`HAVE_AVX2`);
+otherwise :mod:`.gemv` uses a portable Numba loop with the same result.
+
+Caching caveat: Numba's on-disk cache of a caller (e.g. ``gemv_q4``) is keyed on the
+caller's own source file, not on this one; after editing the IR here, delete
+``backends/cpu/__pycache__/*.nbi`` / ``*.nbc``.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llb
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+try:
+    _FEATURES = dict(llb.get_host_cpu_features())
+except RuntimeError:  # LLVM cannot list features on some hosts: use the portable kernels
+    _FEATURES = {}
+#: True when the host CPU supports AVX2 (``vpmaddubsw``/``vpmaddwd`` on 256-bit vectors).
+HAVE_AVX2 = bool(_FEATURES.get("avx2", False))
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I16 = ir.VectorType(_I16, 16)
+_V8I32 = ir.VectorType(_I32, 8)
+_V8F32 = ir.VectorType(_F32, 8)
+
+
+def _declare(module, name, ret, args):
+    return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
+
+
+def _splat_f32(builder, v):
+    vec = builder.insert_element(ir.Constant(_V8F32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, ir.Constant(_V8F32, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+
+
+def _hsum8(builder, v):
+    """Horizontal sum of an <8 x float> (tree of 7 adds; once per row)."""
+    lanes = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(8)]
+    while len(lanes) > 1:
+        lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+def _gep(builder, ptr, idx):
+    return builder.gep(ptr, [idx])
+
+
+def _make_rows_kernel(n_rows: int, bits: int):
+    """Build an intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` rows.
+
+    ``y`` float32 [rows] (written at r0..r0+n_rows-1), ``r0`` int64 first row, ``wp``
+    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int8 [nb*32], ``dx``
+    float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for 4 bits).
+    """
+
+    @intrinsic
+    def kernel(typingctx, y, r0, wp, sc, xq, dx, bmap, nb):
+        sig = types.void(y, r0, wp, sc, xq, dx, bmap, nb)
+
+        def codegen(context, builder, signature, args):
+            ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx, ty_bm, _ = signature.args
+            a_y = context.make_array(ty_y)(context, builder, args[0])
+            a_wp = context.make_array(ty_wp)(context, builder, args[2])
+            a_sc = context.make_array(ty_sc)(context, builder, args[3])
+            a_xq = context.make_array(ty_xq)(context, builder, args[4])
+            a_dx = context.make_array(ty_dx)(context, builder, args[5])
+            a_bm = context.make_array(ty_bm)(context, builder, args[6])
+            i64 = ir.IntType(64)
+            r0v, nbv = args[1], args[7]
+            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]  # bytes per packed row
+            srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]    # groups per row
+            mod = builder.module
+            pmaddubsw = _declare(mod, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
+            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+            fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+            ones16 = ir.Constant(_V16I16, [1] * 16)
+            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+            xbase = builder.bitcast(a_xq.data, _I8.as_pointer())
+            accs = []
+            wrows, srows = [], []
+            for r in range(n_rows):
+                acc = cgutils.alloca_once(builder, _V8F32)
+                builder.store(ir.Constant(_V8F32, [0.0] * 8), acc)
+                accs.append(acc)
+                row = builder.add(r0v, ir.Constant(i64, r))
+                wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
+                srows.append(_gep(builder, a_sc.data, builder.mul(row, srow)))
+
+            def block(bidx, codes_per_row, signs=None):
+                # one 32-element block for every row: acc_r += cvt(idot) * (s_rg * dx_b)
+                xv0 = builder.load(builder.bitcast(_gep(builder, xbase, builder.mul(
+                    bidx, ir.Constant(i64, 32))), _V32I8.as_pointer()), align=1)
+                dxb = builder.load(_gep(builder, a_dx.data, bidx))
+                g = builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+                for r in range(n_rows):
+                    s = builder.load(_gep(builder, srows[r], g))
+                    f = _splat_f32(builder, builder.fmul(s, dxb))
+                    xv = xv0 if signs is None else builder.call(psign, [xv0, signs[r]])
+                    p16 = builder.call(pmaddubsw, [codes_per_row[r], xv])
+                    p32 = builder.call(pmaddwd, [p16, ones16])
+                    pf = builder.sitofp(p32, _V8F32)
+                    builder.store(builder.call(fmuladd, [pf, f, builder.load(accs[r])]), accs[r])
+
+            if bits == 4:
+                n_chunks = builder.udiv(nbv, ir.Constant(i64, 2))
+                mask = ir.Constant(_V32I8, [15] * 32)
+                four = ir.Constant(_V32I8, [4] * 32)
+                with cgutils.for_range(builder, n_chunks) as loop:
+                    c = loop.index
+                    off = builder.mul(c, ir.Constant(i64, 32))
+                    los, his = [], []
+                    for r in range(n_rows):
+                        wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                          _V32I8.as_pointer()), align=1)
+                        los.append(builder.and_(wv, mask))
+                        his.append(builder.lshr(wv, four))
+                    b0 = builder.mul(c, ir.Constant(i64, 2))
+                    block(b0, los)
+                    block(builder.add(b0, ir.Constant(i64, 1)), his)
+            else:
+                # s8 x s8 through u8 x s8: |w| . sign(x, w) (llama.cpp's Q8_0 AVX2 trick);
+                # |w| <= 128 and |x| <= 127 keep pmaddubsw's s16 pair sums from saturating.
+                absf = _declare(mod, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
+                psign = _declare(mod, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
+                with cgutils.for_range(builder, nbv) as loop:
+                    b = loop.index
+                    off = builder.mul(b, ir.Constant(i64, 32))
+                    ws = [builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                       _V32I8.as_pointer()), align=1)
+                          for r in range(n_rows)]
+                    block(b, [builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)]) for w in ws],
+                          signs=ws)
+            for r in range(n_rows):
+                tot = _hsum8(builder, builder.load(accs[r]))
+                dst = _gep(builder, a_y.data, builder.add(r0v, ir.Constant(i64, r)))
+                builder.store(tot, dst)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+@njit(cache=True, fastmath=True)
+def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, plain loops
+    for r in range(r0, r0 + nr):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            s = np.int32(0)
+            if bits == 4:
+                c = b // 2
+                sh = np.int32(4 * (b % 2))
+                for j in range(32):
+                    code = (np.int32(wp[r, c * 32 + j]) >> sh) & np.int32(15)
+                    s += code * np.int32(xq[b * 32 + j])
+            else:  # wp is int8 here
+                for j in range(32):
+                    s += np.int32(wp[r, b * 32 + j]) * np.int32(xq[b * 32 + j])
+            acc += sc[r, bmap[b]] * dx[b] * np.float32(s)
+        y[r] = acc
+
+
+@njit(cache=True)
+def _p_q4_rows4(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 4, 4, wp, sc, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q4_rows1(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 1, 4, wp, sc, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_rows4(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 4, 8, wp, sc, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_rows1(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 1, 8, wp, sc, xq, dx, bmap, nb)
+
+
+#: Row kernels ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for 4 or 1 rows: the AVX2 IR
+#: intrinsics where the host has AVX2, else portable Numba loops with identical math.
+#: ``SIMD_ROWS`` holds the intrinsics regardless (tests compare the two when possible).
+SIMD_ROWS = {(4, 4): _make_rows_kernel(4, 4), (1, 4): _make_rows_kernel(1, 4),
+             (4, 8): _make_rows_kernel(4, 8), (1, 8): _make_rows_kernel(1, 8)}
+PORTABLE_ROWS = {(4, 4): _p_q4_rows4, (1, 4): _p_q4_rows1, (4, 8): _p_q8_rows4,
+                 (1, 8): _p_q8_rows1}
+_ROWS = SIMD_ROWS if HAVE_AVX2 else PORTABLE_ROWS
+q4_rows4, q4_rows1 = _ROWS[(4, 4)], _ROWS[(1, 4)]
+q8_rows4, q8_rows1 = _ROWS[(4, 8)], _ROWS[(1, 8)]
+
+
+@intrinsic
+def half_to_f32(typingctx, h):
+    """uint16 IEEE binary16 bits -> float32 (LLVM ``fpext half``; portable)."""
+    sig = types.float32(h)
+
+    def codegen(context, builder, signature, args):
+        v = builder.trunc(args[0], ir.IntType(16)) if args[0].type.width != 16 else args[0]
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_half(typingctx, f):
+    """float32 -> uint16 binary16 bits, round to nearest even (LLVM ``fptrunc``; portable)."""
+    sig = types.uint16(f)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type != _F32:
+            v = builder.fptrunc(v, _F32)
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def i32_as_f32(typingctx, i):
+    """Reinterpret int32 bits as float32 (LLVM ``bitcast``; vectorizes)."""
+    sig = types.float32(i)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width != 32:
+            v = builder.trunc(v, _I32) if v.type.width > 32 else builder.sext(v, _I32)
+        return builder.bitcast(v, _F32)
+
+    return sig, codegen

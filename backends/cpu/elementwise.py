@@ -1,0 +1,110 @@
+"""Row-wise kernels: RMSNorm, RoPE, dequantization of weight rows (embedding, prefill tiles).
+
+(GLU runs as numpy ufuncs in the backend: their SIMD exp/tanh beat Numba's scalar libm
+calls.)
+
+Each op has a serial row kernel (used directly for decode, T = 1: a parallel region
+costs ~3 us of fork/join on 2 cores, more than the work) and a ``prange`` wrapper
+over rows for prefill. All math is float32, as in the reference backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+# ---- RMSNorm -------------------------------------------------------------------------
+@njit(cache=True, fastmath=True, inline="always")
+def _rmsnorm_row(y, x, w, eps, unit_offset):  # x[N] -> y[N] = x / rms(x) * (w | 1 + w)
+    n = x.shape[0]
+    ss = np.float32(0.0)
+    for i in range(n):
+        ss += x[i] * x[i]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(n) + eps)
+    if unit_offset:
+        for i in range(n):
+            y[i] = x[i] * inv * (np.float32(1.0) + w[i])
+    else:
+        for i in range(n):
+            y[i] = x[i] * inv * w[i]
+
+
+@njit(cache=True, fastmath=True)
+def rmsnorm_rows(y, x, w, eps, unit_offset):  # x[R, N] -> y[R, N], serial
+    """RMSNorm of each row of ``x`` [R, N] float32 into ``y``; ``w`` [N]; serial."""
+    for r in range(x.shape[0]):
+        _rmsnorm_row(y[r], x[r], w, np.float32(eps), unit_offset)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def rmsnorm_rows_par(y, x, w, eps, unit_offset):  # x[R, N] -> y[R, N], rows in parallel
+    """As :func:`rmsnorm_rows`, rows split across threads (prefill)."""
+    for r in prange(x.shape[0]):
+        _rmsnorm_row(y[r], x[r], w, np.float32(eps), unit_offset)
+
+
+# ---- RoPE (NeoX rotate-half pairing) -------------------------------------------------
+@njit(cache=True, fastmath=True, inline="always")
+def _rope_token(y, x, cos, sin, pos):  # x[H, hd] -> y[H, hd] rotated at position pos
+    h, hd = x.shape
+    r2 = cos.shape[1]
+    for j in range(h):
+        for i in range(r2):
+            c = cos[pos, i]
+            s = sin[pos, i]
+            a = x[j, i]
+            b = x[j, i + r2]
+            y[j, i] = a * c - b * s
+            y[j, i + r2] = b * c + a * s
+        for i in range(2 * r2, hd):  # partial rotary: the rest passes through
+            y[j, i] = x[j, i]
+
+
+@njit(cache=True, fastmath=True)
+def rope_tokens(y, x, cos, sin, positions):  # x[T, H, hd] -> y[T, H, hd], serial
+    """Rotate ``x`` [T, H, hd] by ``positions`` [T] with tables cos/sin [P, r/2]."""
+    for t in range(x.shape[0]):
+        _rope_token(y[t], x[t], cos, sin, positions[t])
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def rope_tokens_par(y, x, cos, sin, positions):  # x[T, H, hd] -> y[T, H, hd], parallel
+    """As :func:`rope_tokens`, tokens split across threads (prefill)."""
+    for t in prange(x.shape[0]):
+        _rope_token(y[t], x[t], cos, sin, positions[t])
+
+
+# ---- rows of a repacked quantized weight (embedding lookup, prefill GEMM tiles) ------
+@njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale -> out[R, K]
+    """Dequantize rows ``rows`` [R] of a repacked 4-bit weight: ``(code * s - s * z) * scale``.
+
+    ``out`` float32 [R, K] with K <= the padded width; ``wp`` uint8 [out, nb*16].
+    Releases the GIL (prefill runs it on several Python threads).
+    """
+    k = out.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range((k + 31) // 32):
+            g = bmap[b]
+            s = sc[r, g]
+            z = sz[r, g]
+            base = (b // 2) * 32
+            sh = np.uint8(4 * (b % 2))
+            n = min(32, k - b * 32)
+            for j in range(n):
+                code = (wp[r, base + j] >> sh) & np.uint8(15)
+                out[i, b * 32 + j] = (np.float32(code) * s - z) * scale
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q8(out, wp, sc, sz, bmap, rows, scale):  # W8[rows, :K] * scale -> out[R, K]
+    """Dequantize rows of a repacked 8-bit weight (``wp`` int8 [out, nb*32])."""
+    k = out.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range((k + 31) // 32):
+            s = sc[r, bmap[b]]
+            n = min(32, k - b * 32)
+            for j in range(n):
+                out[i, b * 32 + j] = np.float32(wp[r, b * 32 + j]) * s * scale

@@ -1,0 +1,267 @@
+"""Every CPU-backend op against the numpy reference backend (the oracle).
+
+Error metric: normalized error ``||y - y_ref|| / ||y_ref||`` (NMSE's square root).
+Bounds:
+* float32 ops (rmsnorm, rope, glu, add, embed, attention, dense linear, prefill GEMM on
+  dequantized tiles): ``FLOAT_TOL = 1e-5``;
+* decode GEMV on quantized weights (int8 activations per 32-block, llama.cpp's Q8_0
+  recipe): ``ACT8_TOL = 1.5e-2`` on Gaussian activations (observed 0.4-0.7%), and with
+  outliers the provable bound ``|y - y_ref| <= sum_k |W[r, k]| * dx[block(k)] / 2``
+  (each activation is rounded by at most half its block's step ``dx = max|x_b| / 127``).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from edgeinfer.backends import kvcache
+from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd
+from edgeinfer.backends.cpu.gemv import ActScratch, quantize_act
+from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
+from edgeinfer.backends.reference import ReferenceBackend
+
+FLOAT_TOL = 1e-5
+ACT8_TOL = 1.5e-2
+
+REF = ReferenceBackend()
+CPU = CpuBackend()
+CPU_EXACT = CpuBackend(exact_decode=True)
+
+
+def nerr(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def act8_bound(w_deq, x):
+    """Per-output bound on the int8-activation rounding error (see module docstring)."""
+    k = x.shape[-1]
+    kp = -(-k // 32) * 32
+    xb = np.zeros(kp, np.float64)
+    xb[:k] = np.abs(x)
+    dx = xb.reshape(-1, 32).max(axis=1) / 127.0
+    step = np.repeat(dx, 32)[:k]
+    return np.abs(w_deq.astype(np.float64)) @ (step / 2)
+
+
+def random_q(rng, out, n_in, bits, group, sym=True, scale=0.02):
+    """Random codes in the QuantizedTensor layout (group=-1: per-channel)."""
+    g = group if group > 0 else n_in + (n_in % 2)
+    kp = -(-n_in // g) * g
+    ng = kp // g
+    s = (rng.random((out, ng)) * scale + scale / 20).astype(np.float16)
+    if bits == 4:
+        codes = rng.integers(0, 16, (out, kp))
+        z = None if sym else pack_nibbles(rng.integers(0, 16, (out, ng)))
+        return QuantizedTensor(pack_nibbles(codes), s, z, 4, g, n_in)
+    q = rng.integers(-128, 128, (out, kp)).astype(np.int8)  # -128 included (adversarial)
+    return QuantizedTensor(q, s, None, 8, g, n_in)
+
+
+QCASES = [  # (bits, out, in, group, symmetric)
+    (4, 37, 172, 32, False),   # padded 172 -> 192, odd rows
+    (4, 64, 256, 64, True),
+    (4, 13, 896, 128, False),
+    (4, 6, 100, -1, True),     # per-channel, in not a multiple of 32
+    (4, 7, 64, 16, False),     # groups straddle 32-blocks: dense fallback
+    (4, 5, 33, 32, True),      # one column past a block
+    (8, 9, 576, -1, True),     # per-row 8-bit (lm_head style)
+    (8, 13, 200, 32, True),
+    (8, 3, 70, 64, True),
+    (4, 302, 576, 64, False),  # > SERIAL_MAX_BYTES: the parallel GEMV, a 2-row tail
+    (8, 131, 576, -1, True),   # parallel 8-bit, 3-row tail
+]
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,sym", QCASES)
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_linear_quantized(bits, out, n_in, group, sym, t):
+    rng = np.random.default_rng(out * 1000 + n_in + t)
+    w = random_q(rng, out, n_in, bits, group, sym)
+    x = rng.standard_normal((t, n_in)).astype(np.float32)
+    bias = rng.standard_normal(out).astype(np.float32)
+    h = CPU.upload_weight(w)
+    int8_act = t <= 2 and isinstance(h, CpuQuantWeight)
+    ref = REF.linear(x, REF.upload_weight(w), bias)
+    assert nerr(CPU.linear(x, h, bias), ref) < (ACT8_TOL if int8_act else FLOAT_TOL)
+    assert nerr(CPU_EXACT.linear(x, CPU_EXACT.upload_weight(w), bias), ref) < FLOAT_TOL
+    x[0, n_in // 2] = 40.0  # an outlier: coarsens its block's activation step
+    ref = REF.linear(x, REF.upload_weight(w), bias)
+    y = CPU.linear(x, h, bias)
+    if int8_act:
+        wd = w.dequantize()
+        for i in range(t):
+            bound = act8_bound(wd, x[i]) * 1.001 + 1e-5 * (np.abs(ref[i]) + 1)
+            assert (np.abs(y[i] - ref[i]) <= bound).all()
+    else:
+        assert nerr(y, ref) < FLOAT_TOL
+
+
+def test_linear_quantized_large_magnitudes():
+    rng = np.random.default_rng(7)
+    w = random_q(rng, 40, 256, 4, 32, sym=False, scale=300.0)
+    x = (rng.standard_normal((1, 256)) * 1e4).astype(np.float32)
+    ref = REF.linear(x, REF.upload_weight(w))
+    assert np.isfinite(CPU.linear(x, CPU.upload_weight(w))).all()
+    assert nerr(CPU.linear(x, CPU.upload_weight(w)), ref) < ACT8_TOL
+    x0 = np.zeros((1, 256), np.float32)  # all-zero activations: zero scale, no NaN
+    assert np.array_equal(CPU.linear(x0, CPU.upload_weight(w)), np.zeros((1, 40), np.float32))
+
+
+def test_portable_rows_match_simd_math():
+    """The no-AVX2 fallback row kernels compute the same sums (checked on the host)."""
+    rng = np.random.default_rng(3)
+    for bits, n_in, group in [(4, 192, 32), (4, 256, 128), (8, 96, 32)]:
+        w = random_q(rng, 8, n_in, bits, group, sym=False)
+        h = CPU.upload_weight(w)
+        x = rng.standard_normal(n_in).astype(np.float32)
+        xq, dx, xg = ActScratch().get(h.n_blocks, h.n_groups)
+        quantize_act(xq, dx, xg, x, h.bmap)
+        y = np.zeros(8, np.float32)
+        rows4 = _simd.PORTABLE_ROWS[(4, bits)]
+        rows1 = _simd.PORTABLE_ROWS[(1, bits)]
+        rows4(y, 0, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
+        for r in range(4, 8):
+            rows1(y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
+        y -= h.sz @ xg
+        ref = w.dequantize() @ x
+        assert nerr(y, ref) < ACT8_TOL
+        assert nerr(y, CPU.linear(x[None], h)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_linear_dense(t):
+    rng = np.random.default_rng(t)
+    w = rng.standard_normal((33, 70)).astype(np.float32)
+    x = rng.standard_normal((t, 70)).astype(np.float32)
+    b = rng.standard_normal(33).astype(np.float32)
+    assert nerr(CPU.linear(x, CPU.upload_weight(w), b), REF.linear(x, REF.upload_weight(w), b)) < FLOAT_TOL
+
+
+@pytest.mark.parametrize("kind", ["dense", "q4", "q8"])
+def test_embed(kind):
+    rng = np.random.default_rng(11)
+    if kind == "dense":
+        table = rng.standard_normal((50, 40)).astype(np.float32)
+    else:
+        table = random_q(rng, 50, 40, 4 if kind == "q4" else 8, 32, sym=False)
+    ids = np.array([0, 49, 7, 7], np.int32)
+    for scale in (1.0, 6.5):
+        ref = REF.embed(REF.upload_embedding(table), ids, scale)
+        assert nerr(CPU.embed(CPU.upload_embedding(table), ids, scale), ref) < FLOAT_TOL
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 576), (70, 1000), (3, 4, 8)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rmsnorm(shape, unit_offset):
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * 1e3).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    assert nerr(CPU.rmsnorm(x, w, 1e-6, unit_offset), REF.rmsnorm(x, w, 1e-6, unit_offset)) < FLOAT_TOL
+
+
+@pytest.mark.parametrize("t,h,hd,rdim", [(1, 9, 64, 64), (7, 2, 8, 8), (300, 3, 16, 8)])
+def test_rope(t, h, hd, rdim):
+    rng = np.random.default_rng(t)
+    x = rng.standard_normal((t, h, hd)).astype(np.float32)
+    ang = rng.random((512, rdim // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang), np.sin(ang)
+    pos = rng.integers(0, 512, t).astype(np.int32)
+    assert nerr(CPU.rope(x, cos, sin, pos), REF.rope(x, cos, sin, pos)) < FLOAT_TOL
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("t", [1, 40])
+def test_glu(act, t):
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((t, 1536)) * 8).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -30.0]
+    u = rng.standard_normal((t, 1536)).astype(np.float32)
+    assert nerr(CPU.glu(g, u, act), REF.glu(g, u, act)) < FLOAT_TOL
+    with pytest.raises(ValueError):
+        CPU.glu(g, u, "relu")
+
+
+def test_add():
+    a, b = np.ones((2, 3), np.float32), np.full((2, 3), 2.5, np.float32)
+    assert np.array_equal(CPU.add(a, b), REF.add(a, b))
+
+
+@pytest.mark.parametrize("hq,hkv,hd", [(8, 2, 8), (9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "int4"])
+def test_attention_prefill_then_decode(hq, hkv, hd, window, softcap, dtype):
+    """Prefill 31 tokens in three chunks, then 2 decode steps; caches and outputs agree.
+
+    int8/int4 caches (when this tree's HostKVCache has them) go through the cache's own
+    encode/decode in both backends, so they agree to float32 rounding too."""
+    if dtype not in getattr(kvcache, "ALL_KV_DTYPES", kvcache.KV_DTYPES):
+        pytest.skip(f"HostKVCache has no {dtype}")
+    rng = np.random.default_rng(hq * hd)
+    caches = [be.new_kv_cache(2, hkv, hd, 40, dtype) for be in (REF, CPU)]
+    pos = 0
+    for t in (20, 7, 4, 1, 1):  # 20: the BLAS prefill path, 7 / 4: the Numba kernel
+        q = rng.standard_normal((t, hq, hd)).astype(np.float32) * 2
+        k = rng.standard_normal((t, hkv, hd)).astype(np.float32) * 2
+        v = rng.standard_normal((t, hkv, hd)).astype(np.float32)
+        outs = [be.attention(q, k, v, c, 1, pos, hd ** -0.5, window, softcap)
+                for be, c in zip((REF, CPU), caches)]
+        # f16 caches round K/V identically (round-to-nearest-even) in both backends
+        assert nerr(outs[1], outs[0]) < FLOAT_TOL
+        pos += t
+    for a, b in zip(caches[0].read(1, pos), caches[1].read(1, pos)):
+        assert np.array_equal(a, b)
+
+
+def test_attention_ring_cache_window():
+    """Sliding-window layers stored as a ring (when HostKVCache supports window_sizes)."""
+    import inspect
+    if "window_sizes" not in inspect.signature(kvcache.HostKVCache.__init__).parameters:
+        pytest.skip("HostKVCache has no ring storage")
+    rng = np.random.default_rng(0)
+    hq, hkv, hd, w = 4, 2, 16, 4
+    caches = [kvcache.HostKVCache(2, hkv, hd, 48, "f32", window_sizes=[w, None], max_chunk=16)
+              for _ in range(2)]
+    pos = 0
+    for t in (8, 8, 1, 1, 5, 1, 16):
+        q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
+        for layer in (0, 1):
+            win = w if layer == 0 else None
+            o_ref = REF.attention(q, k, v, caches[0], layer, pos, 0.25, win)
+            o_cpu = CPU.attention(q, k, v, caches[1], layer, pos, 0.25, win)
+            assert nerr(o_cpu, o_ref) < FLOAT_TOL
+        pos += t
+
+
+def test_attention_f16_cache_saturates_like_reference():
+    caches = [be.new_kv_cache(1, 1, 8, 4, "f16") for be in (REF, CPU)]
+    k = np.full((2, 1, 8), 1e6, np.float32)
+    k[1] = -3e5
+    q = np.ones((2, 1, 8), np.float32) * 1e-6
+    outs = [be.attention(q, k, k, c, 0, 0, 1.0) for be, c in zip((REF, CPU), caches)]
+    assert np.array_equal(caches[0].k, caches[1].k)
+    assert np.abs(caches[1].k[0, :2]).max() == 65504.0
+    assert np.isfinite(outs[1]).all() and nerr(outs[1], outs[0]) < FLOAT_TOL
+
+
+def test_attention_cache_overflow_raises():
+    c = CPU.new_kv_cache(1, 1, 8, 4)
+    x = np.zeros((5, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="overflow"):
+        CPU.attention(x, x, x, c, 0, 0, 1.0)
+
+
+def test_import_edgeinfer_does_not_import_numba():
+    code = ("import sys, edgeinfer, edgeinfer.backends; "
+            "sys.exit(1 if 'numba' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_threads_option():
+    be = CpuBackend(threads=1)
+    assert be.threads == 1
+    with pytest.raises(ValueError):
+        CpuBackend(threads=0)
+    CpuBackend()  # restore the default for other tests
