@@ -70,6 +70,11 @@ class Backend(ABC):
     def linear(self, x: Any, w: Any, bias: Any | None = None) -> Any:
         """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]); W dense or quantized."""
 
+    def linear_many(self, x: Any, ws: list[Any], biases: list[Any | None]) -> list[Any]:
+        """[x @ W_i.T (+ b_i) for each i]: several linears sharing one input (q/k/v,
+        gate/up). Backends override it to read x once and dispatch once."""
+        return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+
     @abstractmethod
     def rope(self, x: Any, cos: Any, sin: Any, positions: np.ndarray) -> Any:
         """Rotate x[T, H, hd] by position (NeoX / rotate-half pairing (i, i + r/2)).

@@ -82,9 +82,11 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     h = be.rmsnorm(x, lw["input_layernorm"], eps, off)
     if capture is not None:
         capture["q_proj"] = h
-    q = be.reshape(be.linear(h, lw["q_proj"], lw.get("q_bias")), (t, hq, hd))
-    k = be.reshape(be.linear(h, lw["k_proj"], lw.get("k_bias")), (t, hkv, hd))
-    v = be.reshape(be.linear(h, lw["v_proj"], lw.get("v_bias")), (t, hkv, hd))
+    q, k, v = be.linear_many(h, [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
+                             [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")])
+    q = be.reshape(q, (t, hq, hd))
+    k = be.reshape(k, (t, hkv, hd))
+    v = be.reshape(v, (t, hkv, hd))
     if cfg.qk_norm:
         q = be.rmsnorm(q, lw["q_norm"], eps, off)
         k = be.rmsnorm(k, lw["k_norm"], eps, off)
@@ -107,7 +109,8 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     if capture is not None:
         capture["gate_proj"] = h
     act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
-    m = be.glu(be.linear(h, lw["gate_proj"]), be.linear(h, lw["up_proj"]), act)
+    gate, up = be.linear_many(h, [lw["gate_proj"], lw["up_proj"]], [None, None])
+    m = be.glu(gate, up, act)
     if capture is not None:
         capture["down_proj"] = m
     d = be.linear(m, lw["down_proj"])
