@@ -1,0 +1,1 @@
+"""The converter: calibration, RTN / AWQ / GPTQ quantization, writing ``.eif`` files."""

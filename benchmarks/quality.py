@@ -1,0 +1,216 @@
+"""Quality of edgeinfer's INT4 converter: WikiText-2 perplexity of RTN / AWQ / GPTQ.
+
+Usage::
+
+    python benchmarks/quality.py [--model smollm2-135m-instruct] [--chunks 40]
+        [--methods rtn,awq,gptq] [--n-calib 32] [--calib-len 512] [--out DIR]
+
+For each row (baseline = the dequantized GGUF in float32 through the reference backend,
+then each converted ``.eif``) prints perplexity with llama.cpp's method (512-token chunks,
+second half scored; :mod:`edgeinfer.perplexity`), ΔPPL vs baseline, bits per weight of
+the linear+embedding tensors, file size, convert time and the converter's peak RSS. Each
+conversion runs in its own subprocess so its peak RSS is its own. Calibration: WikiText-2
+``valid.txt``; evaluation: ``test.txt``. Anchors (MODELS.md): baseline 18.979, llama.cpp
+Q4_0 +18.3% at 4.5 bpw.
+
+Reading the GGUF uses ``edgeinfer.readers.read_model`` when it exists; otherwise a small
+lazy fallback below (gguf dequantize per tensor + llama.cpp Q/K row un-permutation; the
+tokenizer.json is rebuilt once by transformers' GGUF converter and cached).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+WIKI = "/work/shared/data/wikitext-2"
+
+
+# ---------------------------------------------------------------- fallback GGUF reading
+def _tokenizer_json(gguf_path: str) -> str:
+    cache = gguf_path + ".tokenizer.json"
+    if not os.path.exists(cache):
+        code = ("import sys; from transformers import AutoTokenizer; import os;"
+                "t=AutoTokenizer.from_pretrained(os.path.dirname(sys.argv[1]),"
+                "gguf_file=os.path.basename(sys.argv[1]));"
+                "open(sys.argv[2],'w').write(t.backend_tokenizer.to_str())")
+        subprocess.run([sys.executable, "-c", code, gguf_path, cache], check=True)
+    return open(cache).read()
+
+
+def _fallback_read(path: str):
+    import gguf
+
+    from edgeinfer.models.config import ModelConfig
+    from edgeinfer.source import LazyTensors, ModelSource
+
+    r = gguf.GGUFReader(path)
+
+    def field(k, default=None):
+        f = r.fields.get(k)
+        if f is None:
+            return default
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING else v[0].item()
+
+    a = field("general.architecture")
+    nh, nkv = field(f"{a}.attention.head_count"), field(f"{a}.attention.head_count_kv")
+    hf = {"model_type": "qwen2" if a == "qwen2" else "llama",
+          "vocab_size": field(f"{a}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
+          "hidden_size": field(f"{a}.embedding_length"),
+          "intermediate_size": field(f"{a}.feed_forward_length"),
+          "num_hidden_layers": field(f"{a}.block_count"), "num_attention_heads": nh,
+          "num_key_value_heads": nkv, "rms_norm_eps": field(f"{a}.attention.layer_norm_rms_epsilon"),
+          "rope_theta": field(f"{a}.rope.freq_base"),
+          "max_position_embeddings": field(f"{a}.context_length"),
+          "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+          "eos_token_id": field("tokenizer.ggml.eos_token_id")}
+    infos = {t.name: t for t in r.tensors}
+    hf["tie_word_embeddings"] = "output.weight" not in infos
+    cfg = ModelConfig.from_hf_dict(hf)
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    sub = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}
+    for n in infos:
+        if n.startswith("blk."):
+            _, i, rest = n.split(".", 2)
+            base, kind = rest.rsplit(".", 1)
+            tgt = sub[base]
+            names[n] = f"model.layers.{i}.{tgt}" if tgt.endswith(".weight") else f"model.layers.{i}.{tgt}.{kind}"
+
+    def load(gname, canon):
+        t = infos[gname]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])
+        if a == "llama" and (canon.endswith("q_proj.weight") or canon.endswith("k_proj.weight")):
+            heads = nh if "q_proj" in canon else nkv  # undo llama.cpp's interleaved Q/K rows
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        return np.ascontiguousarray(w)
+
+    names = {g: c for g, c in names.items() if g in infos}
+    loaders = {c: (lambda g=g, c=c: load(g, c)) for g, c in names.items()}
+    shapes = {c: tuple(int(x) for x in reversed(infos[g].shape)) for g, c in names.items()}
+    return ModelSource(path, "gguf", cfg, LazyTensors(loaders), shapes, _tokenizer_json(path),
+                       chat_template=field("tokenizer.chat_template"),
+                       add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)))
+
+
+def read(path: str):
+    """A ModelSource for a GGUF / HF folder / .eif (the project's reader when available)."""
+    if path.endswith(".eif"):
+        from edgeinfer.container import read_eif
+        return read_eif(path)
+    try:
+        from edgeinfer.readers import read_model
+        return read_model(path)
+    except ImportError:
+        return _fallback_read(path)
+
+
+# ---------------------------------------------------------------- measurements
+def ppl_of(path: str, chunks: int) -> dict:
+    """Perplexity of a model file on WikiText-2 test through the reference backend."""
+    from tokenizers import Tokenizer
+
+    from edgeinfer.backends.reference import ReferenceBackend
+    from edgeinfer.models.transformer import Transformer
+    from edgeinfer.perplexity import perplexity
+
+    src = read(path)
+    tok = Tokenizer.from_str(src.tokenizer_json)
+    text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    bos = src.config.bos_token_id if src.add_bos_token else None
+    model = Transformer(src.config, src.tensors, ReferenceBackend(), max_positions=512)
+    t = time.perf_counter()
+    res = perplexity(model, ids, n_ctx=512, n_chunks=chunks, bos_id=bos, progress=True)
+    res["seconds"] = round(time.perf_counter() - t, 1)
+    res["chunk_ppl"] = [round(v, 4) for v in res["chunk_ppl"]]  # running estimate, as llama.cpp prints
+    return res
+
+
+def convert_one(model: str, method: str, out: str, n_calib: int, calib_len: int,
+                act_order: bool) -> dict:
+    from edgeinfer.container import describe_eif
+    from edgeinfer.quant.convert import convert
+
+    src = read(model)
+    rep = convert(src, out, method=method, group_size=128,
+                  calib_path=os.path.join(WIKI, "valid.txt"), n_calib=n_calib,
+                  calib_len=calib_len, act_order=act_order, progress=True)
+    d = describe_eif(out)
+    rep["bpw_linear"] = {k: round(v, 3) for k, v in d["bits_per_weight_by_kind"].items()}
+    rep["bpw_all_weights"] = round(d["bits_per_weight"], 3)
+    rep.pop("awq_alpha", None)
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--chunks", type=int, default=40)
+    ap.add_argument("--methods", default="rtn,awq,gptq")
+    ap.add_argument("--n-calib", type=int, default=32)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--out", default="/tmp/edgeinfer-quality")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--_convert", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_ppl", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    model = args.model
+    if not os.path.exists(model):
+        from edgeinfer.catalog import resolve_model
+        model = str(resolve_model(model))
+    if args._convert:  # child process: one conversion, report on stdout
+        print(json.dumps(convert_one(model, args._convert[0], args._convert[1], args.n_calib,
+                                     args.calib_len, args.act_order)))
+        return
+    if args._ppl:
+        print(json.dumps(ppl_of(args._ppl, args.chunks)))
+        return
+    os.makedirs(args.out, exist_ok=True)
+
+    def child(*extra) -> dict:
+        cmd = [sys.executable, __file__, "--model", model, "--chunks", str(args.chunks),
+               "--n-calib", str(args.n_calib), "--calib-len", str(args.calib_len), *extra]
+        if args.act_order:
+            cmd.append("--act-order")
+        p = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    rows = []
+    base = None if args.skip_baseline else child("--_ppl", model)
+    if base:
+        rows.append({"row": "baseline (dequantized GGUF, f32)", **base})
+        print(json.dumps(rows[-1]), flush=True)
+    for m in args.methods.split(","):
+        out = os.path.join(args.out, f"{os.path.basename(model)}.{m}.g128.eif")
+        rep = child("--_convert", m, out)
+        res = child("--_ppl", out)
+        row = {"row": m, **res, **rep}
+        if base:
+            row["dppl_pct"] = round(100 * (res["ppl"] / base["ppl"] - 1), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| row | PPL | ΔPPL | bpw (linears / all) | file MiB | convert s | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        bpw = r.get("bpw_linear", {})
+        lin = bpw.get("attention"), bpw.get("mlp")
+        print(f"| {r['row']} | {r['ppl']:.3f} | {('%+.2f%%' % r['dppl_pct']) if 'dppl_pct' in r else '—'} "
+              f"| {lin[0] and f'{lin[0]:.2f}/{lin[1]:.2f}'} / {r.get('bpw_all_weights', '—')} "
+              f"| {r.get('file_size', 0) / 2**20:.1f} | {r.get('convert_seconds', '—')} "
+              f"| {r.get('peak_rss_mib', '—')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Perplexity with llama.cpp's method (``tools/perplexity/perplexity.cpp``, ``perplexity()``).
+
+* The whole text is tokenized once; if the model adds BOS, the stream starts with BOS
+  (llama.cpp tokenizes with ``add_special=true``).
+* It is cut into ``n_chunk = min(n_chunks, len(tokens) // n_ctx)`` chunks of ``n_ctx``
+  tokens (the tail is dropped); each chunk is evaluated fresh (new KV cache), and, if the
+  model adds BOS, its first token is replaced by BOS (restored afterwards).
+* Only the second half is scored: with ``first = n_ctx // 2``, the logits at chunk
+  positions ``first .. n_ctx - 2`` predict tokens ``first + 1 .. n_ctx - 1``:
+  ``n_ctx - 1 - first`` tokens per chunk (255 at 512).
+* ``ppl = exp(mean NLL)`` over all scored tokens; log-softmax in float64.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+
+def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
+               bos_id: int | None = None, progress: bool = False) -> dict:
+    """llama.cpp-compatible perplexity of ``model`` on a token stream.
+
+    Args:
+        model: a :class:`~edgeinfer.models.transformer.Transformer` (anything with
+            ``new_cache(n)`` and ``forward(ids, cache, all_logits=True) -> [T, V]``).
+        ids: int token ids of the text, tokenized *without* special tokens.
+        n_ctx: chunk length (512 as llama.cpp's default).
+        n_chunks: limit on chunks (None: all whole chunks).
+        bos_id: the BOS id if the model adds BOS (prepended to the stream and written over
+            the first token of each chunk), else None.
+        progress: tqdm bar on stderr.
+
+    Returns:
+        dict ``ppl`` (float), ``nll`` (mean negative log-likelihood, nats), ``n_tokens``
+        (scored), ``chunks`` (evaluated), ``chunk_ppl`` (running estimate after each chunk,
+        as llama.cpp prints ``[i]ppl``).
+
+    Raises:
+        ValueError: fewer than ``2 * n_ctx`` tokens (llama.cpp's minimum) or n_ctx < 4.
+    """
+    toks = np.asarray(ids, np.int64).reshape(-1)
+    if bos_id is not None:
+        toks = np.concatenate([[bos_id], toks])
+    if n_ctx < 4:
+        raise ValueError(f"n_ctx must be at least 4, got {n_ctx}")
+    if len(toks) < 2 * n_ctx:
+        raise ValueError(f"need at least 2 * n_ctx = {2 * n_ctx} tokens, got {len(toks)}: "
+                         f"use a longer text or a smaller n_ctx")
+    n = len(toks) // n_ctx
+    if n_chunks is not None:
+        n = min(n, int(n_chunks))
+    first = n_ctx // 2
+    nll, count, running = 0.0, 0, []
+    it = range(n)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="perplexity", unit="chunk", file=sys.stderr)
+    cache = model.new_cache(n_ctx)
+    for i in it:
+        chunk = toks[i * n_ctx:(i + 1) * n_ctx].copy()
+        if bos_id is not None:
+            chunk[0] = bos_id
+        cache.reset()
+        logits = np.asarray(model.forward(chunk.astype(np.int32), cache, all_logits=True),
+                            np.float64)[first:n_ctx - 1]
+        target = chunk[first + 1:n_ctx]
+        mx = logits.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(logits - mx).sum(axis=1)) + mx[:, 0]
+        nll += float(np.sum(lse - logits[np.arange(len(target)), target]))
+        count += len(target)
+        running.append(math.exp(nll / count))
+    mean = nll / count
+    return {"ppl": math.exp(mean), "nll": mean, "n_tokens": count, "chunks": n,
+            "chunk_ppl": running}

@@ -1,0 +1,259 @@
+"""Calibration data and the layer-by-layer quantization driver.
+
+Calibration text:
+  * ``calib_path`` (plain text): tokenized once (no special tokens) and cut into
+    ``n_seq`` windows of ``seq_len`` tokens at seeded random offsets (GPTQ's recipe); with
+    ``add_bos_token`` the first token of each window is replaced by BOS, like the model sees
+    text at inference;
+  * no file: *data-free* text the model generates itself, seeded multinomial sampling
+    (temperature 1) from BOS through the reference backend, recorded in the provenance.
+    Generation is token by token, so the default is smaller (8 x 128).
+
+Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
+  embed the calibration tokens; for each layer: load only that layer's float32 tensors
+  (``source.tensors`` may be lazy), run it with ``capture`` to collect the inputs of its
+  linear groups (GPTQ: Hessians accumulated on the fly; AWQ: per-channel mean |x| plus an
+  evenly spaced token sample), quantize it, then run the *quantized* layer to produce the
+  next layer's input, so later layers calibrate on the errors they will really see.
+  Memory: one layer's weights + the activations ``[n_seq, seq_len, hidden]`` + capture
+  statistics. Inside a layer the inputs of o_proj / down_proj come from the float layer
+  (not from quantized q/k/v), a documented simplification.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+
+from ..backends.quantized import QuantizedTensor
+from ..backends.reference import ReferenceBackend
+from ..errors import ModelFormatError
+from ..models.rope import rope_tables
+from ..models.transformer import LINEAR_KEYS, decoder_layer, layer_tensor_names, upload_layer
+from ..source import ModelSource
+from .awq import awq_quantize_layer
+from .gptq import Hessian, gptq_quantize
+from .rtn import quantize_rtn
+
+log = logging.getLogger(__name__)
+
+#: linear groups sharing one captured input (rows are stacked for GPTQ).
+SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                "gate_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _tokenizer(source: ModelSource):
+    from tokenizers import Tokenizer
+
+    if not source.tokenizer_json:
+        raise ValueError(f"{source.path}: no tokenizer: cannot tokenize calibration text")
+    return Tokenizer.from_str(source.tokenizer_json)
+
+
+def _bos_id(source: ModelSource) -> int | None:
+    if source.config.bos_token_id is not None:
+        return int(source.config.bos_token_id)
+    if source.bos_token and source.tokenizer_json:
+        return _tokenizer(source).token_to_id(source.bos_token)
+    return None
+
+
+def calibration_ids(source: ModelSource, calib_path: str | None = None, n_seq: int | None = None,
+                    seq_len: int | None = None, seed: int = 0,
+                    progress: bool = False) -> tuple[np.ndarray, str]:
+    """Calibration token windows and a one-line description for the provenance.
+
+    Args:
+        source: the model (tokenizer, config; the weights only for data-free generation).
+        calib_path: plain-text file, or None for data-free self-generated text.
+        n_seq, seq_len: window count and length (defaults 32 x 512 with a file, 8 x 128
+            data-free); shortened when the text is too short.
+        seed: RNG seed for window offsets / sampling.
+
+    Returns:
+        ``(ids int32 [n_seq, seq_len], description)``.
+
+    Raises:
+        ValueError: a file too short for even one window of 16 tokens.
+    """
+    rng = np.random.default_rng(seed)
+    bos = _bos_id(source)
+    if calib_path is not None:
+        n_seq, seq_len = n_seq or 32, seq_len or 512
+        with open(calib_path, encoding="utf-8") as f:
+            text = f.read()
+        toks = np.asarray(_tokenizer(source).encode(text, add_special_tokens=False).ids, np.int32)
+        if len(toks) < 16:
+            raise ValueError(f"calibration file {calib_path} has only {len(toks)} tokens")
+        seq_len = min(seq_len, len(toks))
+        starts = rng.integers(0, len(toks) - seq_len + 1, size=n_seq)
+        ids = np.stack([toks[s:s + seq_len] for s in starts])
+        if source.add_bos_token and bos is not None:
+            ids[:, 0] = bos
+        return ids, (f"file {calib_path}: {n_seq} windows x {seq_len} tokens at random offsets "
+                     f"(seed {seed}) of {len(toks)} tokens")
+    n_seq, seq_len = n_seq or 8, seq_len or 128
+    return _self_generated(source, n_seq, seq_len, rng, bos, progress), (
+        f"data-free: {n_seq} sequences x {seq_len} tokens sampled by the model itself from BOS "
+        f"(temperature 1, seed {seed})")
+
+
+def _self_generated(source: ModelSource, n_seq: int, seq_len: int, rng: np.random.Generator,
+                    bos: int | None, progress: bool) -> np.ndarray:
+    from ..models.transformer import Transformer
+
+    # the whole float model is materialized here anyway: check every tensor first
+    tensors = {k: (check_finite(k, v) if not isinstance(v, QuantizedTensor) else v)
+               for k, v in source.tensors.items()}
+    model = Transformer(source.config, tensors, ReferenceBackend(), max_positions=seq_len + 1)
+    start = bos if bos is not None else 0
+    out = np.zeros((n_seq, seq_len), np.int32)
+    for j in range(n_seq):
+        cache = model.new_cache(seq_len)
+        tok = start
+        out[j, 0] = tok
+        for t in range(1, seq_len):
+            logits = model.forward(np.array([tok]), cache)[0].astype(np.float64)
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            tok = int(rng.choice(len(p), p=p))
+            out[j, t] = tok
+    return out
+
+
+def check_finite(name: str, a: np.ndarray) -> np.ndarray:
+    """Return ``a`` as float32, or raise ModelFormatError naming a tensor with NaN/inf."""
+    a = np.asarray(a, np.float32)
+    if not np.isfinite(a).all():
+        bad = int(np.size(a) - np.isfinite(a).sum())
+        raise ModelFormatError(f"tensor {name!r} contains {bad} non-finite values (NaN/inf); "
+                               f"the source checkpoint is damaged: re-download or re-export it")
+    return a
+
+
+def load_layer(source: ModelSource, i: int) -> dict[str, np.ndarray]:
+    """Short name -> float32 array of layer ``i`` (only this layer is materialized)."""
+    out = {}
+    for short, name in layer_tensor_names(i).items():
+        if name in source.tensors:
+            out[short] = check_finite(name, source.tensors[name])
+    return out
+
+
+def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:
+    """Split a row-stacked QuantizedTensor into consecutive row blocks."""
+    out, r = [], 0
+    for n in sizes:
+        sl = slice(r, r + n)
+        z = None if qt.zeros is None else np.ascontiguousarray(qt.zeros[sl])
+        out.append(QuantizedTensor(np.ascontiguousarray(qt.qweight[sl]),
+                                   np.ascontiguousarray(qt.scales[sl]), z, qt.bits,
+                                   qt.group_size, qt.in_features, qt.method))
+        r += n
+    return out
+
+
+def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope, stats=None) -> np.ndarray:
+    """Run layer ``i`` on every calibration sequence x [N, L, D]; feed captures to ``stats``."""
+    names = layer_tensor_names(i)
+    lw = upload_layer(be, {names[k]: v for k, v in tensors_short.items()}, i)
+    n, L, _ = x.shape
+    pos = np.arange(L, dtype=np.int32)
+    y = np.empty_like(x)
+    for j in range(n):
+        cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)
+        cap = {} if stats is not None else None
+        y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap)
+        if stats is not None:
+            stats(j, cap)
+    return y
+
+
+def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *, bits: int = 4,
+                    group_size: int = 128, symmetric: bool = False, act_order: bool = False,
+                    n_search: int = 2048, on_layer: Callable[[int], None] | None = None
+                    ) -> tuple[dict[str, Any], dict]:
+    """Quantize every decoder layer of ``source`` (module docstring: sequential driver).
+
+    Args:
+        source: the float model (lazy tensors welcome).
+        ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for "rtn").
+        method: "rtn", "awq" or "gptq".
+        bits, group_size, symmetric: the linear weights' format.
+        act_order: GPTQ column order (see :mod:`.gptq`).
+        n_search: AWQ token sample size for the scale/clip searches.
+        on_layer: called after each layer (progress bars).
+
+    Returns:
+        ``(canonical name -> QuantizedTensor / float32 array, info)``; ``info["awq_alpha"]``
+        records AWQ's chosen α per layer and group.
+
+    Raises:
+        ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
+    """
+    if method not in ("rtn", "awq", "gptq"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
+    cfg = source.config
+    out: dict[str, Any] = {}
+    info: dict = {"awq_alpha": {}}
+    be = ReferenceBackend()
+    x = None
+    if method != "rtn":
+        emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
+        x = emb[ids] * np.float32(cfg.embed_scale)  # [N, L, D]
+        del emb
+        L = ids.shape[1]
+        ropes = {}
+    for i in range(cfg.num_hidden_layers):
+        names = layer_tensor_names(i)
+        lw = load_layer(source, i)
+        if method == "rtn":
+            q = {k: (quantize_rtn(v, bits, group_size, symmetric, name=names[k])
+                     if k in LINEAR_KEYS else v) for k, v in lw.items()}
+        else:
+            theta = cfg.layer_rope_theta(i)
+            if theta not in ropes:
+                cos, sin = rope_tables(cfg, L, theta)
+                ropes[theta] = (be.upload(cos), be.upload(sin))
+            rope = ropes[theta]
+            n_tok = ids.size
+            step = max(1, n_tok // n_search)
+            if method == "gptq":
+                hs = {k: Hessian(lw[k].shape[1]) for k in SHARED_INPUT}
+
+                def stats(j, cap, hs=hs):
+                    for k, h in hs.items():
+                        h.add(cap[k])
+            else:
+                sums = {k: np.zeros(lw[k].shape[1]) for k in SHARED_INPUT}
+                samples: dict[str, list] = {k: [] for k in SHARED_INPUT}
+
+                def stats(j, cap, sums=sums, samples=samples):
+                    rows = np.arange(j * L, (j + 1) * L) % step == 0
+                    for k in SHARED_INPUT:
+                        a = np.asarray(cap[k], np.float32)
+                        sums[k] += np.abs(a).sum(axis=0, dtype=np.float64)
+                        samples[k].append(a[rows])
+            _run_layer(be, cfg, lw, i, x, rope, stats)
+            if method == "gptq":
+                q = dict(lw)
+                for cap_key, members in SHARED_INPUT.items():
+                    w = np.concatenate([lw[m] for m in members], axis=0)
+                    qt = gptq_quantize(w, hs[cap_key].H, bits, group_size, symmetric,
+                                       act_order=act_order, name=names[members[0]])
+                    for m, part in zip(members, split_rows(qt, [lw[m].shape[0] for m in members])):
+                        q[m] = part
+                del hs
+            else:
+                inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in SHARED_INPUT}
+                q, alphas = awq_quantize_layer(cfg, lw, inputs, bits=bits, group_size=group_size,
+                                               symmetric=symmetric)
+                info["awq_alpha"][i] = alphas
+                del inputs, samples
+            x = _run_layer(be, cfg, q, i, x, rope)  # propagate through the quantized layer
+        for k, v in q.items():
+            out[names[k]] = v if isinstance(v, QuantizedTensor) else np.asarray(v, np.float32)
+        if on_layer:
+            on_layer(i)
+    return out, info

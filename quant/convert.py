@@ -1,0 +1,180 @@
+"""``convert``: a float checkpoint (HF folder, GGUF, ModelSource) -> one ``.eif`` file.
+
+What is stored (see :mod:`edgeinfer.container`):
+  * every decoder linear: INT4 (``method`` rtn / awq / gptq), group ``group_size``;
+  * ``model.embed_tokens.weight``: INT8 per row (``embed_bits=8``, default), or float16 /
+    float32 (``embed_bits`` 16 / 32);
+  * ``lm_head.weight``: tied (``tie_word_embeddings``) -> not stored, the runtime reuses the
+    embedding (stored once, case C15; a redundant head in the source is ignored, with a
+    warning if it differs from the embedding); untied -> INT8 per row by default (same
+    ``embed_bits``); untied but absent -> :class:`ModelFormatError`;
+  * norms and biases: float32 (AWQ folds its scales into the norms / previous linears).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ..backends.quantized import QuantizedTensor
+from ..container import write_eif
+from ..errors import ModelFormatError
+from ..source import ModelSource
+from .calibrate import calibration_ids, check_finite, quantize_layers
+from .rtn import quantize_rtn
+
+log = logging.getLogger(__name__)
+
+
+def _sha256(path: str) -> str | None:
+    """sha256 of a file, or of the sorted weight/config files of a folder."""
+    try:
+        h = hashlib.sha256()
+        files = ([path] if os.path.isfile(path) else
+                 sorted(os.path.join(path, f) for f in os.listdir(path)
+                        if f.endswith((".safetensors", ".json", ".gguf"))))
+        for fn in files:
+            with open(fn, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def _open(src: str | ModelSource) -> ModelSource:
+    if isinstance(src, ModelSource):
+        return src
+    try:
+        from ..readers import read_model
+    except ImportError as e:
+        raise ModelFormatError(f"cannot read {src}: the model readers are unavailable ({e})") from None
+    return read_model(str(src))
+
+
+def _table(w: np.ndarray, embed_bits: int, name: str, rows: int = 4096) -> Any:
+    """Embedding / head table in its stored form; INT8 per row is quantized in blocks of
+    ``rows`` rows (rows are independent) to bound the float64 temporaries (peak RSS)."""
+    if embed_bits == 8:
+        parts = [quantize_rtn(w[i:i + rows], 8, -1, True, name=name) for i in range(0, len(w), rows)]
+        sdt = np.result_type(*[p.scales.dtype for p in parts])
+        return QuantizedTensor(np.concatenate([p.qweight for p in parts]),
+                               np.concatenate([p.scales.astype(sdt) for p in parts]), None, 8,
+                               parts[0].group_size, parts[0].in_features, "rtn")
+    if embed_bits == 16:
+        return np.asarray(w, np.float16)
+    if embed_bits == 32:
+        return np.asarray(w, np.float32)
+    raise ValueError(f"embed_bits must be 8, 16 or 32, got {embed_bits}")
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (MiB; Linux ``ru_maxrss`` is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits: int = 4,
+            group_size: int = 128, symmetric: bool = False, embed_bits: int = 8,
+            calib_path: str | None = None, n_calib: int | None = None,
+            calib_len: int | None = None, seed: int = 0, act_order: bool = False,
+            n_search: int = 2048, progress: bool = True) -> dict:
+    """Quantize a model and write it as one self-contained ``.eif`` file.
+
+    Args:
+        src: HF folder / GGUF path (read through ``edgeinfer.readers.read_model``) or a
+            ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
+        out_path: destination file (written to a temp file, then renamed).
+        method: "awq" (default), "gptq" or "rtn" (no calibration).
+        bits: linear weight bits (4).
+        group_size: 32 / 64 / 128 (default) or -1 per-channel; non-divisible input widths
+            are zero-padded (see :mod:`.rtn`).
+        symmetric: INT4 without zero points.
+        embed_bits: 8 (INT8 per row, default), 16 or 32 for the embedding and an untied head.
+        calib_path: plain-text calibration file; None -> data-free self-generated text.
+        n_calib, calib_len: calibration sequences and their length (defaults: 32 x 512
+            with a file, 8 x 128 data-free).
+        seed: calibration seed (deterministic output for a given seed).
+        act_order: GPTQ column order by activation (resolved at convert time, :mod:`.gptq`).
+        n_search: AWQ token sample for its searches.
+        progress: tqdm bar over layers (with ETA) on stderr.
+
+    Returns:
+        report dict: out_path, method, bits, group_size, file_size, bits_per_weight (all
+        stored tensor bytes * 8 / weights, norms and embeddings included),
+        convert_seconds, peak_rss_mib, calibration, awq_alpha (AWQ).
+
+    Raises:
+        ModelFormatError: unreadable source, non-finite weights (the tensor is named), an
+            untied model without ``lm_head.weight``.
+        ValueError: bad options.
+    """
+    if bits != 4:
+        raise ValueError(f"only 4-bit linear weights are supported by the converter, got {bits}")
+    if method not in ("rtn", "awq", "gptq"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
+    t0 = time.perf_counter()
+    source = _open(src)
+    cfg = source.config
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in source.tensors:
+        raise ModelFormatError(
+            f"{source.path}: tie_word_embeddings is false but lm_head.weight is missing; fix the "
+            f"config (set tie_word_embeddings: true if the head is the embedding) or the checkpoint")
+    ids, calib_desc = None, "none (rtn needs no calibration)"
+    if method != "rtn":
+        ids, calib_desc = calibration_ids(source, calib_path, n_calib, calib_len, seed, progress)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.num_hidden_layers, desc=f"{method} layers", unit="layer",
+                   file=sys.stderr)
+    try:
+        tensors, info = quantize_layers(source, ids, method, bits=bits, group_size=group_size,
+                                        symmetric=symmetric, act_order=act_order,
+                                        n_search=n_search,
+                                        on_layer=(lambda i: bar.update(1)) if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
+    tensors["model.embed_tokens.weight"] = _table(emb, embed_bits, "model.embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        if "lm_head.weight" in source.tensors:
+            head = np.asarray(source.tensors["lm_head.weight"], np.float32)
+            if head.shape != emb.shape or not np.array_equal(head, emb):
+                log.warning("%s: tied embeddings but lm_head.weight differs from the embedding; "
+                            "the head is ignored (the config says tied)", source.path)
+    else:
+        head = check_finite("lm_head.weight", source.tensors["lm_head.weight"])
+        tensors["lm_head.weight"] = _table(head, embed_bits, "lm_head.weight")
+    del emb
+    tensors["model.norm.weight"] = check_finite("model.norm.weight", source.tensors["model.norm.weight"])
+    src_path = str(source.path)
+    provenance = {
+        "source": src_path, "source_format": source.format,
+        "source_sha256": _sha256(src_path) if os.path.exists(src_path) else None,
+        "method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
+        "embed_bits": embed_bits, "act_order": act_order, "seed": seed,
+        "calibration": calib_desc,
+    }
+    if ids is not None and calib_path is None:
+        provenance["calibration_ids"] = ids.tolist()  # the self-generated text, recorded
+    size = write_eif(out_path, cfg, tensors, tokenizer_json=source.tokenizer_json,
+                     chat_template=source.chat_template, bos_token=source.bos_token,
+                     eos_token=source.eos_token, add_bos_token=source.add_bos_token,
+                     generation=source.generation, provenance=provenance)
+    n_params = sum((t.out_features * t.in_features) if isinstance(t, QuantizedTensor) else t.size
+                   for t in tensors.values())
+    n_bytes = sum(t.nbytes for t in tensors.values())  # tensors only (no tokenizer/metadata)
+    return {
+        "out_path": str(out_path), "method": method, "bits": bits, "group_size": group_size,
+        "file_size": size, "bits_per_weight": round(8.0 * n_bytes / n_params, 4),
+        "convert_seconds": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
+        "calibration": calib_desc, "awq_alpha": info.get("awq_alpha") or None,
+    }
