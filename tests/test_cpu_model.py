@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+from conftest import SHARED  # the shared folder (models, data) beside the checkout
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from edgeinfer.models.transformer import Transformer
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 if not MODEL_DIR.exists():
-    MODEL_DIR = Path("/work/shared/models/stories260K")
+    MODEL_DIR = SHARED / "models" / "stories260K"
 PROMPT = np.array([1, 400, 35, 22, 7, 301], np.int32)
 STEPS = 64
 
@@ -69,8 +70,8 @@ def model():
     return cfg, dense, quant
 
 
-def greedy(m: Transformer, steps: int = STEPS) -> list[int]:
-    cache = m.new_cache(PROMPT.size + steps + 1)
+def greedy(m: Transformer, steps: int = STEPS, kv: str = "f32") -> list[int]:
+    cache = m.new_cache(PROMPT.size + steps + 1, kv)
     logits = m.forward(PROMPT, cache)
     out = []
     for _ in range(steps):
@@ -129,3 +130,13 @@ def test_prefill_equals_prefill_plus_decode(model, weights):
         mf.forward(ids[:-1], c)
         fast = mf.forward(ids[-1:], c)[-1]
         assert np.linalg.norm(fast - full) / np.linalg.norm(full) < 3e-2
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4", "k8v4"])
+def test_greedy_identical_quantized_kv(model, kv):
+    """Dense weights, quantized KV cache (int8 = the engine default): the CPU backend's
+    in-place quantized attention gives the reference backend's greedy tokens exactly."""
+    cfg, dense, _ = model
+    ref = greedy(Transformer(cfg, dense, ReferenceBackend(), 256), kv=kv)
+    cpu = greedy(Transformer(cfg, dense, CpuBackend(), 256), kv=kv)
+    assert cpu == ref

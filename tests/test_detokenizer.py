@@ -5,6 +5,7 @@ byte for byte, no chunk ends inside a character, and the per-token work stays bo
 """
 from __future__ import annotations
 
+from conftest import SHARED  # the shared folder (models, data) beside the checkout
 import random
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from edgeinfer.detokenizer import HARD_HOLD, StreamingDetokenizer
 from edgeinfer.tokenizer import Tokenizer
 
-STORIES_TOKENIZER = Path("/work/shared/models/stories260K/tokenizer.json")
+STORIES_TOKENIZER = SHARED / "models" / "stories260K" / "tokenizer.json"
 FFFD = "\ufffd"
 TEXT = "hi 😀 你好世界 ok"  # 4-byte emoji, 3-byte CJK
 

@@ -36,6 +36,7 @@ model: window 513 gives 0.46 and window 511 0.59 at those positions, no window 3
 """
 from __future__ import annotations
 
+from conftest import SHARED  # the shared folder (models, data) beside the checkout
 import dataclasses
 import math
 import os
@@ -262,7 +263,7 @@ def gemma(gemma_gguf):
 
 @pytest.fixture(scope="module")
 def wikitext_ids(gemma):
-    path = Path(os.environ.get("EDGEINFER_SHARED", "/work/shared")) / WIKITEXT  # as conftest.py
+    path = SHARED / WIKITEXT
     if not path.exists():
         pytest.skip(f"WikiText-2 not found: {path}")
     return gemma["tok"].encode(path.read_text(encoding="utf-8")[:20000], add_special=True)
