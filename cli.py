@@ -428,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--embed-bits", type=int, default=8)
     s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
     s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")
-    s.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by activation order")
+    s.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantize columns in order of activation size (default on: "
+                        "+12.4%% vs +20.3%% ΔPPL on SmolLM2; no run-time cost)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("--json", action="store_true")
