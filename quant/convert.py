@@ -151,9 +151,11 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
                 log.warning("%s: tied embeddings but lm_head.weight differs from the embedding; "
                             "the head is ignored (the config says tied)", source.path)
     else:
+        del emb  # one float32 vocabulary table in memory at a time
         head = check_finite("lm_head.weight", source.tensors["lm_head.weight"])
         tensors["lm_head.weight"] = _table(head, embed_bits, "lm_head.weight")
-    del emb
+        del head
+    emb = None
     tensors["model.norm.weight"] = check_finite("model.norm.weight", source.tensors["model.norm.weight"])
     src_path = str(source.path)
     provenance = {
