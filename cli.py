@@ -36,14 +36,18 @@ def _add_runtime_args(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: float = 0.95,
+                       repeat_penalty: float = 1.0) -> None:
+    # chat's defaults (temperature 0.2, top-p 0.9, repeat penalty 1.1) are SmolLM2's own
+    # recommendation plus a mild penalty: at 0.7 a 135M model loops into nonsense.
     p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate")
     p.add_argument("--temperature", "--temp", type=float, default=temperature,
                    help=f"0 = greedy (default {temperature})")
     p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=float, default=top_p, help=f"(default {top_p})")
     p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", type=float, default=repeat_penalty,
+                   help=f"(default {repeat_penalty})")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -339,11 +343,16 @@ def cmd_bench(args) -> int:
 
 
 def cmd_devices(args) -> int:
+    from edgeinfer.backends.errors import BackendUnavailableError
+
     try:
         from edgeinfer.backends.opencl import list_devices
         devices = list_devices()
     except ImportError:
         print("error: OpenCL needs pyopencl: pip install 'edgeinfer[opencl]'", file=sys.stderr)
+        return 1
+    except BackendUnavailableError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(devices, indent=2, default=str))
@@ -414,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("chat", help="chat in the terminal")
     _add_runtime_args(s)
-    _add_sampling_args(s, temperature=0.7)
+    _add_sampling_args(s, temperature=0.2, top_p=0.9, repeat_penalty=1.1)
     s.add_argument("--system", default=None, help="system prompt")
     s.set_defaults(func=cmd_chat)
 
@@ -480,6 +489,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command in ("info", "perplexity", "bench") and not hasattr(args, "model"):
         pass
+    if hasattr(args, "temperature"):
+        from edgeinfer.sampling import SamplingParams
+
+        try:
+            SamplingParams(**_sampling(args))
+            if args.max_tokens < 1:
+                raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         return args.func(args)
     except EdgeInferError as e:

@@ -274,6 +274,9 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> 
         return p
     if str(name_or_path) in CATALOG:
         return pull(str(name_or_path), progress=progress)
+    text = str(name_or_path)
+    if os.sep in text or text.endswith((".gguf", ".eif", ".safetensors")):
+        raise CatalogError(f"model file not found: {text}")
     raise CatalogError(
         f"{str(name_or_path)!r} is neither an existing file/folder nor a catalog model; "
         f"catalog names: {', '.join(sorted(CATALOG))}"

@@ -75,6 +75,9 @@ def test_env_home_and_unknown_names(monkeypatch, tmp_path):
     with pytest.raises(CatalogError, match="smollm2-135m-instruct"):
         catalog.pull("llama-9000", progress=False)
     with pytest.raises(CatalogError, match=r"neither an existing.*qwen2\.5-coder-0\.5b-instruct"):
+        catalog.resolve_model("no-such-model")
+    # something that is plainly a path gets "not found", not the catalog list
+    with pytest.raises(CatalogError, match="model file not found: no/such/model"):
         catalog.resolve_model("no/such/model")
     f = tmp_path / "x.gguf"
     f.write_bytes(b"GGUF")

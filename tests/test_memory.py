@@ -53,7 +53,7 @@ def test_capped_by_model_positions_and_requested_ctx():
 
 def test_kv_dtype_ordering_and_scratch():
     c = cfg()
-    ctx = {d: plan_memory(c, W, 300, d).max_context for d in ("f32", "f16", "int8", "int4")}
+    ctx = {d: plan_memory(c, W, 420, d).max_context for d in ("f32", "f16", "int8", "int4")}
     assert ctx["f32"] < ctx["f16"] < ctx["int8"] < ctx["int4"]
     assert scratch_bytes(c, 1024) > scratch_bytes(c, 512)
     with pytest.raises(ValueError, match="dtype"):
