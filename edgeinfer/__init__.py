@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # Lazy so that `import edgeinfer` stays cheap: the API pulls in the readers.
-    if name in ("load", "Model"):
+    if name in ("load", "Model", "ChatSession"):
         from . import api
 
         return getattr(api, name)

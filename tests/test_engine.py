@@ -118,3 +118,29 @@ def test_chat_drops_oldest_turns_when_the_context_is_full(stories_dir):
     final = events[-1]
     assert final.finish_reason in ("length", "stop")
     assert final.stats.prompt_tokens + 8 <= 64
+
+
+def test_chat_session_keeps_the_kv_cache_between_turns(stories_dir):
+    import edgeinfer
+    from edgeinfer.readers import read_model
+
+    src = read_model(str(stories_dir))
+    # stories260K has no chat template: give it one that concatenates the turns, so the
+    # re-rendered conversation tokenizes like the cached one (as ChatML models do)
+    src.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = edgeinfer.Model(src, backend="reference", n_ctx=512, kv_dtype="f32")
+    chat = edgeinfer.ChatSession(model)
+    first = chat.send("Once upon a time", max_tokens=16)
+    assert first.startswith(", there was a little girl")
+    second = chat.send("The girl", max_tokens=8)
+    stats = chat.last_stats
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+    assert chat.messages[3]["content"] == second
+    # the whole first turn (prompt + reply) came from the cache
+    assert stats.reused_tokens >= stats.prompt_tokens - 8
+    # and the tokens equal a fresh run of the whole conversation
+    model.engine.reset()
+    fresh = model.chat(chat.messages[:3], max_tokens=8)
+    assert fresh == second
+    chat.reset()
+    assert chat.messages == []
