@@ -3,11 +3,11 @@
 usage:
   python benchmarks/bench_cpu.py [--model smollm2|qwen|PATH.gguf ...] [--runs 3]
         [--prompt 256] [--gen 128] [--threads 2] [--group 128] [--head-bits 8]
-        [--kv f16] [--kernels] [--profile] [--startup] [--no-peer]
+        [--kv int8|f16|int4|k8v4|f32] [--kernels] [--profile] [--startup] [--no-peer]
 
 Our side: the GGUF is dequantized to float32 and RTN-quantized in-process to INT4
 (asymmetric, ``--group``), embeddings / output head to ``--head-bits`` (8: per-row
-int8), KV cache ``--kv`` (f16 like llama.cpp). llama.cpp's side: ``/work/shared/peer/peer_bench.py`` on the same GGUF in a
+int8), KV cache ``--kv`` (default int8, the engine default; llama.cpp uses f16). llama.cpp's side: ``/work/shared/peer/peer_bench.py`` on the same GGUF in a
 subprocess (its own quantization, e.g. Q4_1 / Q4_K_M). Same threads, same random
 prompt, median of ``--runs`` interleaved runs; prints one JSON line per model with
 tokens/s, the ratios, and our decode's achieved GB/s of weights streamed per token.
@@ -157,22 +157,28 @@ def weight_bytes(model) -> int:
     return sum(nb(lw[k]) for lw in model.layers for k in LINEAR_KEYS if k in lw) + nb(model.lm_head)
 
 
-def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "f16") -> dict:
+def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
     """Per-op wall time of decode steps (wrapping the backend's methods) vs the step time."""
     be = model.backend
     ids = prompt_ids(model.cfg.vocab_size, n_ctx)
     cache = model.new_cache(n_ctx + 2 * steps + 4, kv)
     model.forward(ids, cache)
-    ops = ["embed", "rmsnorm", "linear", "rope", "attention", "glu", "add", "logits"]
+    ops = ["embed", "rmsnorm", "linear", "linear_many", "rope", "attention", "glu", "add",
+           "logits"]
     acc = {o: 0.0 for o in ops}
     orig = {o: getattr(be, o) for o in ops}
+    depth = [0]
 
-    def wrap(o, f):
+    def wrap(o, f):  # outermost op only (logits / linear_many call linear)
         def g(*a, **k):
+            depth[0] += 1
             t = time.perf_counter()
-            r = f(*a, **k)
-            acc[o] += time.perf_counter() - t
-            return r
+            try:
+                return f(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    acc[o] += time.perf_counter() - t
         return g
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -187,7 +193,6 @@ def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "f16") -> dict:
         for o in ops:
             delattr(be, o)
     per = {o: acc[o] / steps * 1e3 for o in ops}
-    per["linear"] -= per.get("logits", 0.0)  # logits calls linear
     # floor: the same linear kernels called back to back without the model's Python
     from edgeinfer.backends.cpu import CpuQuantWeight
     from edgeinfer.backends.cpu.gemv import gemv_quant
@@ -206,6 +211,56 @@ def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "f16") -> dict:
     return {"step_ms": plain * 1e3, "ops_ms": {k: round(v, 3) for k, v in per.items()},
             "linear_kernels_back_to_back_ms": round(floor, 3),
             "python_outside_ops_ms": round(plain * 1e3 - sum(per.values()), 3)}
+
+
+def python_overhead(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
+    """Python's share of a decode step: step time minus the same compiled-kernel calls
+    replayed back to back.
+
+    Every call from Python into a Numba dispatcher during ``steps`` decode steps is
+    recorded (dispatcher + arguments, by patching ``Dispatcher.__call__``), then
+    replayed in a tight loop with the same arrays. The replay is the kernels' own time
+    plus the unavoidable C-level dispatch; everything else in the step (the model's
+    and the backend's Python, numpy temporaries, ufunc ops) counts as overhead.
+    """
+    from numba.core.dispatcher import Dispatcher, _DispatcherBase
+    ids = prompt_ids(model.cfg.vocab_size, n_ctx)
+    cache = model.new_cache(n_ctx + 3 * steps + 4, kv)
+    model.forward(ids, cache)
+    tok = np.array([5], np.int32)
+    for _ in range(3):
+        model.forward(tok, cache)
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.forward(tok, cache)
+        ts.append(time.perf_counter() - t0)
+    rec = []
+    orig = Dispatcher.__dict__.get("__call__")
+
+    def call(self, *a, **k):
+        rec.append((self, a, k))
+        return _DispatcherBase.__call__(self, *a, **k)
+
+    Dispatcher.__call__ = call
+    try:
+        model.forward(tok, cache)
+    finally:
+        if orig is None:
+            del Dispatcher.__call__
+        else:
+            Dispatcher.__call__ = orig
+    cache.length -= 1
+    rs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for d, a, k in rec:
+            d(*a, **k)
+        rs.append(time.perf_counter() - t0)
+    step, kern = statistics.median(ts), statistics.median(rs)
+    return {"step_ms": round(step * 1e3, 3), "kernels_replayed_ms": round(kern * 1e3, 3),
+            "kernel_calls": len(rec), "python_ms": round((step - kern) * 1e3, 3),
+            "python_pct": round(100 * (step - kern) / step, 1)}
 
 
 def bench_kernels(threads: int) -> list[dict]:
@@ -289,7 +344,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--head-bits", type=int, default=8, choices=(4, 8, 32))
-    ap.add_argument("--kv", default="f16", help="our KV cache dtype (llama.cpp's default is f16)")
+    ap.add_argument("--kv", default="int8",
+                    help="our KV cache dtype (the engine's default int8; llama.cpp's is f16)")
     ap.add_argument("--kernels", action="store_true", help="GEMV GB/s and GEMM GFLOP/s table")
     ap.add_argument("--profile", action="store_true", help="per-op decode-step breakdown")
     ap.add_argument("--startup", action="store_true", help="compile / cached start-up time")
@@ -340,6 +396,8 @@ def main(argv=None) -> None:
         if a.profile:
             print(json.dumps({"model": path.name, "profile_ctx": a.prompt,
                               **profile_step(model, a.prompt, kv=a.kv)}))
+            print(json.dumps({"model": path.name, "python_overhead_ctx": a.prompt,
+                              **python_overhead(model, a.prompt, kv=a.kv)}))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_add():
 
 @pytest.mark.parametrize("hq,hkv,hd", [(8, 2, 8), (9, 3, 64), (4, 4, 16)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
-@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "int4", "k8v4"])
 def test_attention_prefill_then_decode(hq, hkv, hd, window, softcap, dtype):
     """Prefill 31 tokens in three chunks, then 2 decode steps; caches and outputs agree.
 
@@ -265,3 +265,151 @@ def test_threads_option():
     with pytest.raises(ValueError):
         CpuBackend(threads=0)
     CpuBackend()  # restore the default for other tests
+
+
+# ---- quantized KV cache kernels (backends/cpu/kvquant.py) ----------------------------
+QKV = ["int8", "int4", "k8v4"]
+
+
+def _kv_chunk(rng, t, hkv, hd, kind):
+    k = rng.standard_normal((t, hkv, hd)).astype(np.float32) * 2
+    v = rng.standard_normal((t, hkv, hd)).astype(np.float32)
+    if kind == "outlier":  # one channel x50 (case C27) and a token far beyond f16 range
+        k[:, :, 3] *= 50
+        v[0] *= 1e6
+    elif kind == "zeros":  # zero rows: zero scale -> all-zero codes
+        k[0], v[0] = 0, 0
+    elif kind == "ties":  # values on rounding boundaries (x.5 steps of the scale)
+        k = (np.round(k * 4) / 4).astype(np.float32)
+        v = (np.round(v * 2) / 2).astype(np.float32)
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", QKV)
+@pytest.mark.parametrize("hd", [64, 80, 8])
+@pytest.mark.parametrize("ring", [False, True])
+def test_kv_write_bit_exact(dtype, hd, ring):
+    """The Numba KV write produces the same bytes as ``cache.write`` (codes, f16 scales and
+    minima, ring position table), for every format, group size and awkward input."""
+    rng = np.random.default_rng(hd)
+    kw = {"window_sizes": [6, None], "max_chunk": 8} if ring else {}
+    ref, cpu = (kvcache.HostKVCache(2, 3, hd, 40, dtype, **kw) for _ in range(2))
+    pos = 0
+    for t, kind in [(5, "plain"), (1, "outlier"), (8, "zeros"), (1, "ties"), (3, "plain"),
+                    (1, "plain")]:
+        k, v = _kv_chunk(rng, t, 3, hd, kind)
+        q = rng.standard_normal((t, 6, hd)).astype(np.float32)
+        ref.write(0, pos, k, v)
+        CPU.attention(q, k, v, cpu, 0, pos, 0.125, 6 if ring else None)
+        for name, arr in ref.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), cpu.raw(0)[name].view(np.uint8)), name
+        if ring:
+            assert np.array_equal(ref.positions(0), cpu.positions(0))
+        pos += t
+
+
+@pytest.mark.parametrize("dtype", QKV)
+@pytest.mark.parametrize("hq,hkv,hd", [(9, 3, 64), (14, 2, 64), (4, 4, 16), (6, 2, 80)])
+def test_attention_quant_vs_reference(dtype, hq, hkv, hd):
+    """Attention over the codes == the reference backend's dequantize-then-attend, over
+    the same cache contents (float32 rounding only), prefill and decode, with outliers."""
+    rng = np.random.default_rng(hq + hd)
+    caches = [be.new_kv_cache(1, hkv, hd, 64, dtype) for be in (REF, CPU)]
+    pos = 0
+    for t, kind in [(17, "plain"), (1, "outlier"), (9, "ties"), (1, "plain"), (1, "zeros")]:
+        k, v = _kv_chunk(rng, t, hkv, hd, kind)
+        q = rng.standard_normal((t, hq, hd)).astype(np.float32) * 2
+        o = [be.attention(q, k, v, c, 0, pos, hd ** -0.5) for be, c in zip((REF, CPU), caches)]
+        assert nerr(o[1], o[0]) < FLOAT_TOL
+        pos += t
+
+
+@pytest.mark.parametrize("dtype", QKV)
+def test_attention_quant_ring_window(dtype):
+    """Sliding-window ring layers of a quantized cache: positions per slot, chunked
+    prefill larger than the window, decode steps that wrap around the ring."""
+    rng = np.random.default_rng(1)
+    hq, hkv, hd, w = 4, 2, 32, 5
+    caches = [kvcache.HostKVCache(2, hkv, hd, 64, dtype, window_sizes=[w, None], max_chunk=8)
+              for _ in range(2)]
+    pos = 0
+    for t in (8, 1, 1, 7, 1, 8, 1, 1, 1):
+        q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
+        for layer in (0, 1):
+            win = w if layer == 0 else None
+            o_ref = REF.attention(q, k, v, caches[0], layer, pos, 0.25, win, 20.0)
+            o_cpu = CPU.attention(q, k, v, caches[1], layer, pos, 0.25, win, 20.0)
+            assert nerr(o_cpu, o_ref) < FLOAT_TOL
+        pos += t
+    with pytest.raises(ValueError, match="chunk"):
+        CPU.attention(*(np.zeros((9, h, hd), np.float32) for h in (hq, hkv, hkv)), caches[1],
+                      0, pos, 0.25, w)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "int8", "int4"])
+def test_attention_decode_serial_equals_parallel(dtype):
+    """The single-threaded decode kernels (short contexts) == the parallel ones."""
+    from edgeinfer.backends.cpu import attention as att, kvquant
+    rng = np.random.default_rng(2)
+    hq, hkv, hd, n = 9, 3, 64, 50
+    c = kvcache.HostKVCache(1, hkv, hd, 64, dtype)
+    k, v = _kv_chunk(rng, n, hkv, hd, "plain")
+    CPU.attention(rng.standard_normal((n, hq, hd)).astype(np.float32), k, v, c, 0, 0, 0.125)
+    q = rng.standard_normal((1, hq, hd)).astype(np.float32)
+    outs = []
+    for par in (True, False):
+        out = np.empty((1, hq, hd), np.float32)
+        if dtype == "f16":
+            kc, vc = c.k[0].view(np.uint16), c.v[0].view(np.uint16)
+            fn = att.attention if par else att.attention_serial
+            fn(out, q, k[-1:], v[-1:], kc, vc, np.zeros(0, np.int64), False, n - 1, 0.125, 0, 0.0)
+        else:
+            a = c._cpu_qviews[0]
+            fn = kvquant.attention_q if par else kvquant.attention_q_serial
+            fn(out, q, a[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], n - 1, 0.125, 0, 0.0)
+        outs.append(out)
+    assert nerr(outs[1], outs[0]) < 1e-6
+
+
+# ---- linear_many (fused q/k/v and gate/up) --------------------------------------------
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, -1)])
+@pytest.mark.parametrize("t", [1, 2, 7])
+def test_linear_many_fused(bits, group, t):
+    """Fused weights give the same outputs as separate linears (decode: bit-identical,
+    same int8 activations; prefill: float32 rounding) and the reference within the
+    usual bounds; members keep working alone and share the fused storage."""
+    rng = np.random.default_rng(t)
+    n_in = 256
+    qts = [random_q(rng, o, n_in, bits, group) for o in (96, 32, 32)]
+    be = CpuBackend()
+    ws = [be.upload_weight(q) for q in qts]
+    sep = [be.upload_weight(q) for q in qts]
+    biases = [rng.standard_normal(96).astype(np.float32), None,
+              rng.standard_normal(32).astype(np.float32)]
+    x = rng.standard_normal((t, n_in)).astype(np.float32)
+    for _ in range(2):  # first call fuses, second uses the fused weight
+        ys = be.linear_many(x, ws, biases)
+        for y, w, b, q in zip(ys, sep, biases, qts):
+            alone = be.linear(x, w, b)
+            if t <= 2:
+                assert np.array_equal(y, alone)
+            else:
+                assert nerr(y, alone) < FLOAT_TOL
+            tol = ACT8_TOL if t <= 2 else FLOAT_TOL
+            assert nerr(y, REF.linear(x, REF.upload_weight(q), b)) < tol
+    base = ws[0].wp.base
+    assert base is not None and all(w.wp.base is base for w in ws)
+    for w, q in zip(ws, qts):  # a member used alone still computes its own rows
+        tol = ACT8_TOL if t <= 2 else FLOAT_TOL
+        assert nerr(be.linear(x, w), REF.linear(x, REF.upload_weight(q))) < tol
+
+
+def test_linear_many_mixed_falls_back():
+    rng = np.random.default_rng(0)
+    w4 = CPU.upload_weight(random_q(rng, 16, 64, 4, 32))
+    w8 = CPU.upload_weight(random_q(rng, 8, 64, 8, -1))
+    dense = rng.standard_normal((4, 64)).astype(np.float32)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    ys = CPU.linear_many(x, [w4, w8, dense], [None, None, None])
+    for y, w in zip(ys, [w4, w8, dense]):
+        assert np.array_equal(y, CPU.linear(x, w))

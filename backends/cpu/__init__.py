@@ -6,7 +6,9 @@ Tensors are host numpy float32 arrays. Quantized weights are repacked once at up
 memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does not.
 
 Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefill),
-:mod:`.attention`, :mod:`.elementwise`, with the SIMD row kernels in :mod:`._simd`.
+:mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
+write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
+:mod:`._simd`. :meth:`CpuBackend.linear_many` fuses q/k/v and gate/up into one GEMV.
 
 Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
 the decode kernels; a small Python thread pool with single-threaded OpenBLAS for the
@@ -28,9 +30,10 @@ import numba
 import numpy as np
 
 from ..base import Backend
-from ..kvcache import HostKVCache
+from ..kvcache import HostKVCache, _rotate
 from ..quantized import QuantizedTensor
 from .attention import attention as _attention
+from .attention import attention_serial as _attention_serial
 from .elementwise import (
     dequant_rows_q4,
     dequant_rows_q8,
@@ -41,6 +44,7 @@ from .elementwise import (
 )
 from .gemm import GemmPool, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
+from .kvquant import attention_q, attention_q_serial, kv_write_q
 from .repack import CpuQuantWeight, blocks_align_with_groups, repack
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "physical_cores"]
@@ -49,6 +53,11 @@ __all__ = ["CpuBackend", "CpuQuantWeight", "physical_cores"]
 GEMV_MAX_T = 2
 _NO_POS = np.zeros(0, np.int64)
 _GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+#: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd is
+#: below this: measured on the shared 2-core host (load ~3), the serial kernel beat the
+#: parallel one at every context up to 2048 (SmolLM2: 38 vs 55 us at 128 keys, 485 vs
+#: 562 us at 2048; Qwen-0.5B 56 vs 79 and 708 vs 749 us).
+_ATTN_SERIAL_MAX = 2048 * 14 * 64
 #: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
 _PAR_MIN_ELEMS = 32768
 
@@ -103,6 +112,7 @@ class CpuBackend(Backend):
         self.exact_decode = bool(exact_decode)
         self._act = ActScratch()
         self._pool = GemmPool(self.threads)
+        self._fused: dict = {}  # linear_many: id tuple -> (weight, bias, splits, members)
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
@@ -121,9 +131,12 @@ class CpuBackend(Backend):
         """The array itself (tensors already live on the host)."""
         return np.asarray(t)
 
-    def new_kv_cache(self, n_layers, n_kv_heads, head_dim, max_tokens, dtype="f32"):
-        """A :class:`~edgeinfer.backends.kvcache.HostKVCache` ``[L, S, Hkv, hd]``."""
-        return HostKVCache(n_layers, n_kv_heads, head_dim, max_tokens, dtype)
+    def new_kv_cache(self, n_layers, n_kv_heads, head_dim, max_tokens, dtype="f32",
+                     window_sizes=None, max_chunk=512):
+        """A :class:`~edgeinfer.backends.kvcache.HostKVCache` ``[L, S, Hkv, hd]`` (ring
+        storage for the layers ``window_sizes`` marks as windowed)."""
+        return HostKVCache(n_layers, n_kv_heads, head_dim, max_tokens, dtype,
+                           window_sizes=window_sizes, max_chunk=max_chunk)
 
     # ---- ops -------------------------------------------------------------------------
     def embed(self, table, ids, scale=1.0):
@@ -142,6 +155,11 @@ class CpuBackend(Backend):
 
     def rmsnorm(self, x, w, eps, unit_offset=False):
         """y[..., N] = x / sqrt(mean(x**2) + eps) * (w | 1 + w) over the last axis, float32."""
+        if (x.__class__ is np.ndarray and x.ndim == 2 and x.shape[0] == 1
+                and x.dtype == np.float32 and x.flags.c_contiguous):  # decode: least Python
+            y = np.empty_like(x)
+            rmsnorm_rows(y, x, w, eps, unit_offset)
+            return y
         n = x.shape[-1]
         x2 = np.ascontiguousarray(x).reshape(-1, n)
         y = np.empty_like(x2)
@@ -185,8 +203,56 @@ class CpuBackend(Backend):
             y = gemm_dense(x2, w, bias, self._pool)
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
+    def linear_many(self, x, ws, biases):
+        """[x @ W_i.T (+ b_i)] for weights sharing the input (q/k/v, gate/up).
+
+        Quantized weights of one format (bits, in_features, blocks, groups) are fused on
+        first use: their repacked rows are concatenated once and each member's arrays
+        become views into the concatenation (no extra memory), so every later call
+        quantizes ``x`` once and runs one GEMV (one parallel region) or one prefill GEMM.
+        Other weight mixes fall back to one :meth:`linear` per weight.
+        """
+        key = tuple(map(id, ws)) + tuple(map(id, biases))
+        f = self._fused.get(key)
+        if f is None:
+            f = self._fuse(ws, biases)
+            self._fused[key] = f
+        if f is False:
+            return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+        y = self.linear(x, f[0], f[1])
+        return [y[..., a:b] for a, b in f[2]]
+
+    @staticmethod
+    def _fuse(ws, biases):
+        w0 = ws[0]
+        if len(ws) < 2 or any(
+                w.__class__ is not CpuQuantWeight or w.bits != w0.bits
+                or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
+                or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
+                or not np.array_equal(w.bmap, w0.bmap) for w in ws):
+            return False
+        cat = CpuQuantWeight(w0.bits, sum(w.out_features for w in ws), w0.in_features,
+                             w0.group_size, w0.n_blocks,
+                             np.concatenate([w.wp for w in ws]),
+                             np.concatenate([w.sc for w in ws]),
+                             np.concatenate([w.sz for w in ws]), w0.bmap)
+        splits, r = [], 0
+        for w in ws:  # members now view the fused storage (the old copies are freed)
+            a, r = r, r + w.out_features
+            w.wp, w.sc, w.sz = cat.wp[a:r], cat.sc[a:r], cat.sz[a:r]
+            splits.append((a, r))
+        bias = None
+        if any(b is not None for b in biases):
+            bias = np.concatenate([np.zeros(w.out_features, np.float32) if b is None
+                                   else np.asarray(b, np.float32) for w, b in zip(ws, biases)])
+        return cat, bias, splits, list(ws)
+
     def rope(self, x, cos, sin, positions):
         """Rotate x[T, H, hd] (NeoX pairing) by tables cos/sin [P, r/2] at positions [T]."""
+        if x.shape[0] == 1 and x.flags.c_contiguous and positions.dtype.kind == "i":
+            y = np.empty_like(x)  # decode: least Python
+            rope_tokens(y, x, cos, sin, positions)
+            return y
         x = np.ascontiguousarray(x)
         y = np.empty_like(x)
         pos = positions if positions.dtype.kind == "i" else np.asarray(positions, np.int64)
@@ -197,7 +263,11 @@ class CpuBackend(Backend):
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         """Append k, v [T, Hkv, hd] to ``cache`` and attend: returns out[T, Hq, hd] float32.
 
-        See :meth:`Backend.attention`. f32/f16 caches are read in place by the kernel.
+        See :meth:`Backend.attention`. f32/f16 caches are read in place by the kernel;
+        int8/int4/k8v4 caches (linear or ring) are encoded and read in place by
+        :mod:`.kvquant` (never dequantized to a float copy); f32/f16 rings use the
+        cache's numpy ``write`` / ``read_positions``. Decode over fewer than
+        ``_ATTN_SERIAL_MAX`` key elements runs single-threaded.
 
         Raises:
             ValueError: the positions do not fit in the cache.
@@ -212,13 +282,17 @@ class CpuBackend(Backend):
         raw = cache.raw(layer) if hasattr(cache, "raw") else {"k": cache.k[layer],
                                                               "v": cache.v[layer]}
         ring = hasattr(cache, "positions") and cache.positions(layer) is not None
+        if "k_q" in raw and getattr(cache, "rotate_k", False):
+            return self._attention_q(out, q, k, v, cache, layer, int(start_pos), float(scale),
+                                     win, cap, ring)
         kc = raw.get("k")
         if kc is not None and not ring and kc.dtype in (np.float32, np.float16):
             vc = raw["v"]
             if kc.dtype == np.float16:  # the kernel converts (and saturates) bits itself
                 kc, vc = kc.view(np.uint16), vc.view(np.uint16)
-            _attention(out, q, k, v, kc, vc, _NO_POS, True, int(start_pos), float(scale),
-                       win, cap)
+            fn = (_attention_serial if t == 1 and (start_pos + 1) * hq * hd <= _ATTN_SERIAL_MAX
+                  else _attention)
+            fn(out, q, k, v, kc, vc, _NO_POS, True, int(start_pos), float(scale), win, cap)
             return out
         # quantized or ring storage: the cache encodes/decodes, the kernel masks by position
         cache.write(layer, start_pos, k, v)
@@ -228,11 +302,47 @@ class CpuBackend(Backend):
                    int(start_pos), float(scale), win, cap)
         return out
 
+    def _attention_q(self, out, q, k, v, cache, layer, start, scale, win, cap, ring):
+        """Quantized cache (int8 / int4 / k8v4, linear or ring): encode in place, attend
+        over the codes (:mod:`.kvquant`); nothing is dequantized to a float copy."""
+        views = cache.__dict__.get("_cpu_qviews")
+        if views is None:
+            views = cache._cpu_qviews = {}
+        a = views.get(layer)
+        if a is None:
+            raw = cache.raw(layer)
+
+            def bits(name):
+                arr = raw.get(name)
+                return None if arr is None else arr.view(np.uint16)
+
+            pos = cache.positions(layer) if ring else None
+            a = (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
+                 bits("v_min"), _NO_POS if pos is None else pos,
+                 np.ascontiguousarray(cache._h, np.float32), cache.group_size)
+            views[layer] = a
+        kq, ks, kmin, vq, vs, vmin, pos, hmat, g = a
+        t = k.shape[0]
+        if ring and t > cache.slots[layer] - (cache.window_sizes[layer] - 1):
+            raise ValueError(
+                f"a chunk of {t} tokens is larger than the {cache.max_chunk} a windowed layer "
+                f"(window {cache.window_sizes[layer]}) was sized for; prefill in smaller chunks "
+                f"or build the cache with max_chunk >= {t}")
+        # the cache's own rotation (same numpy call as cache.write): bit-identical codes
+        kv_write_q(_rotate(k, hmat), v, kq, ks, kmin, vq, vs, vmin, pos, start, g)
+        n_keys = kq.shape[0] if ring else start + t
+        fn = (attention_q_serial if t == 1 and n_keys * q.shape[1] * q.shape[2]
+              <= _ATTN_SERIAL_MAX else attention_q)
+        fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, pos, start, scale, win, cap)
+        return out
+
     def glu(self, gate, up, act="silu"):
         """y[T, F] = act(gate) * up, act "silu" or "gelu_tanh".
 
         numpy ufuncs (SIMD exp / tanh, ~1 ns per element), not Numba: a scalar libm
-        ``exp`` per element in Numba measured 10 ns (15 us for F = 1536).
+        ``exp`` per element in Numba measured 10 ns (15 us for F = 1536); a Numba SiLU
+        kernel with the Cephes ``exp_neg`` of :mod:`.attention` measured 7.9 us for
+        F = 1536 (not vectorized with the sign select), no faster than these ufuncs.
 
         Raises:
             ValueError: unknown activation.

@@ -8,9 +8,15 @@ Decode splits each group in two halves so that 2-3 KV heads still feed 2 threads
 Scores for one item live in a buffer of the visible length only (O(S) per item, never
 a [T, S] matrix); softmax in float32 with the max subtracted, as the reference.
 
-Quantized (int8 / int4) and ring (sliding-window) caches take a slower path in the
-backend: the cache's own ``write`` and ``read_positions`` (numpy dequantization), then
-this kernel over the returned float32 rows with their explicit positions.
+Quantized caches (int8 / int4 / k8v4, linear or ring) are read in place by
+:mod:`.kvquant` instead. f32/f16 *ring* (sliding-window) layers still take the slower
+path in the backend: the cache's own ``write`` and ``read_positions``, then this kernel
+over the returned float32 rows with their explicit positions.
+
+:func:`attention_serial` is the same work items on the calling thread: the backend uses
+it for decode over short contexts, where the fork/join of a parallel region costs more
+than it saves on a shared 2-core host (measured: SmolLM2 decode at 256 keys 157 us per
+layer parallel vs 25 us serial at load ~3).
 
 Measured (one core, SmolLM2 shapes: Hq 9, Hkv 3, hd 64): decode at 320 keys ~70 us per
 layer before the vectorized exp (QK 27, exp 17, PV 25), ~55 us after; a 256-token
@@ -85,50 +91,72 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
                 for d in range(hd):
                     kc[start + t, h, d] = _store_val(k[t, h, d], kc)
                     vc[start + t, h, d] = _store_val(v[t, h, d], vc)
-    linear = kpos.shape[0] == 0
-    # decode: split each KV head's query group in two so 2 threads share Hkv = 2..3 items
     split = 2 if (t_n == 1 and grp > 1) else 1
     for item in prange(t_n * hkv * split):
-        t = item // (hkv * split)
-        kh = (item // split) % hkv
-        part = item % split
-        g0 = kh * grp + (part * grp) // split  # first query head of this item
-        gn = kh * grp + ((part + 1) * grp) // split - g0
-        p = start + t
-        lo = 0
-        if linear:
-            if window > 0:
-                lo = max(0, p - window + 1)
-            n = p + 1 - lo
-        else:
-            n = kc.shape[0]
-        s = np.empty((gn, n), np.float32)
-        qs = np.empty((gn, hd), np.float32)  # this item's query heads, pre-scaled
-        for g in range(gn):
-            for d in range(hd):
-                qs[g, d] = q[t, g0 + g, d] * scale
-        _scores(s, qs, kc, kh, lo, n, kpos, linear, p, window)
-        for g in range(gn):
-            _softmax_inplace(s[g], softcap)
-        acc = np.zeros((gn, hd), np.float32)
-        n4 = n - n % 4
-        for j in range(0, n4, 4):  # 4 keys per pass: a quarter of the acc loads/stores
-            v0, v1 = vc[lo + j, kh], vc[lo + j + 1, kh]
-            v2, v3 = vc[lo + j + 2, kh], vc[lo + j + 3, kh]
-            for g in range(gn):
-                p0, p1, p2, p3 = s[g, j], s[g, j + 1], s[g, j + 2], s[g, j + 3]
+        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split)
+
+
+@njit(cache=True, fastmath=_FM)
+def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
+    """As :func:`attention` on the calling thread (short decode contexts: no fork/join)."""
+    t_n, hq, hd = q.shape
+    hkv = k.shape[1]
+    if write:
+        for t in range(t_n):
+            for h in range(hkv):
                 for d in range(hd):
-                    acc[g, d] += (p0 * _load(v0[d]) + p1 * _load(v1[d])
-                                  + p2 * _load(v2[d]) + p3 * _load(v3[d]))
-        for j in range(n4, n):
-            vr = vc[lo + j, kh]
-            for g in range(gn):
-                pj = s[g, j]
-                for d in range(hd):
-                    acc[g, d] += pj * _load(vr[d])
+                    kc[start + t, h, d] = _store_val(k[t, h, d], kc)
+                    vc[start + t, h, d] = _store_val(v[t, h, d], vc)
+    for item in range(t_n * hkv):
+        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1)
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split):
+    t_n, hq, hd = q.shape
+    hkv = kc.shape[1]
+    grp = hq // hkv
+    linear = kpos.shape[0] == 0
+    t = item // (hkv * split)
+    kh = (item // split) % hkv
+    part = item % split
+    g0 = kh * grp + (part * grp) // split  # first query head of this item
+    gn = kh * grp + ((part + 1) * grp) // split - g0
+    p = start + t
+    lo = 0
+    if linear:
+        if window > 0:
+            lo = max(0, p - window + 1)
+        n = p + 1 - lo
+    else:
+        n = kc.shape[0]
+    s = np.empty((gn, n), np.float32)
+    qs = np.empty((gn, hd), np.float32)  # this item's query heads, pre-scaled
+    for g in range(gn):
+        for d in range(hd):
+            qs[g, d] = q[t, g0 + g, d] * scale
+    _scores(s, qs, kc, kh, lo, n, kpos, linear, p, window)
+    for g in range(gn):
+        _softmax_inplace(s[g], softcap)
+    acc = np.zeros((gn, hd), np.float32)
+    n4 = n - n % 4
+    for j in range(0, n4, 4):  # 4 keys per pass: a quarter of the acc loads/stores
+        v0, v1 = vc[lo + j, kh], vc[lo + j + 1, kh]
+        v2, v3 = vc[lo + j + 2, kh], vc[lo + j + 3, kh]
         for g in range(gn):
+            p0, p1, p2, p3 = s[g, j], s[g, j + 1], s[g, j + 2], s[g, j + 3]
             for d in range(hd):
-                out[t, g0 + g, d] = acc[g, d]
+                acc[g, d] += (p0 * _load(v0[d]) + p1 * _load(v1[d])
+                              + p2 * _load(v2[d]) + p3 * _load(v3[d]))
+    for j in range(n4, n):
+        vr = vc[lo + j, kh]
+        for g in range(gn):
+            pj = s[g, j]
+            for d in range(hd):
+                acc[g, d] += pj * _load(vr[d])
+    for g in range(gn):
+        for d in range(hd):
+            out[t, g0 + g, d] = acc[g, d]
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
