@@ -293,7 +293,7 @@ def cmd_perplexity(args) -> int:
     ids = model.tokenizer.encode(text, add_special=False)
     res = perplexity(model.transformer, ids, n_ctx=args.chunk, n_chunks=args.chunks,
                      bos_id=model.tokenizer.bos_id if model.tokenizer.add_bos_token else None,
-                     progress=not args.quiet)
+                     progress=not args.quiet, kv_dtype=model.engine.kv_dtype)
     if args.json:
         print(json.dumps(res))
     else:

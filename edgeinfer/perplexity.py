@@ -19,7 +19,8 @@ import numpy as np
 
 
 def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
-               bos_id: int | None = None, progress: bool = False) -> dict:
+               bos_id: int | None = None, progress: bool = False,
+               kv_dtype: str = "f32") -> dict:
     """llama.cpp-compatible perplexity of ``model`` on a token stream.
 
     Args:
@@ -31,6 +32,8 @@ def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
         bos_id: the BOS id if the model adds BOS (prepended to the stream and written over
             the first token of each chunk), else None.
         progress: tqdm bar on stderr.
+        kv_dtype: KV cache storage used while evaluating each chunk (to measure what a
+            quantized cache costs).
 
     Returns:
         dict ``ppl`` (float), ``nll`` (mean negative log-likelihood, nats), ``n_tokens``
@@ -57,7 +60,7 @@ def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
     if progress:
         from tqdm import tqdm
         it = tqdm(it, desc="perplexity", unit="chunk", file=sys.stderr)
-    cache = model.new_cache(n_ctx)
+    cache = model.new_cache(n_ctx, kv_dtype)
     for i in it:
         chunk = toks[i * n_ctx:(i + 1) * n_ctx].copy()
         if bos_id is not None:

@@ -178,7 +178,7 @@ class _FakeModel:
     def __init__(self, vocab, text=None):
         self.vocab, self.text, self.seen = vocab, text, []
 
-    def new_cache(self, n):
+    def new_cache(self, n, dtype="f32"):
         class C:
             length = 0
 
