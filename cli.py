@@ -6,11 +6,11 @@ edgeinfer raises on purpose print as one line (``error: ...``) with exit status 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
-import threading
 
 from edgeinfer.errors import EdgeInferError
 
@@ -89,11 +89,11 @@ def cmd_info(args) -> int:
     from edgeinfer.readers import read_model
 
     path = resolve_model(args.model, progress=True)
+    src = read_model(str(path))  # read once: a large GGUF's tokenizer takes seconds to rebuild
     if str(path).endswith(".eif"):
         from edgeinfer.container import describe_eif
         info = describe_eif(str(path))
     else:
-        src = read_model(str(path))
         c = src.config
         size = (sum(f.stat().st_size for f in path.iterdir()) if path.is_dir()
                 else path.stat().st_size)
@@ -112,10 +112,9 @@ def cmd_info(args) -> int:
         from edgeinfer.api import DEFAULT_KV_DTYPE, source_weight_bytes
         from edgeinfer.memory import format_plan, plan_memory
 
-        src = read_model(str(path))
         plan = plan_memory(src.config, source_weight_bytes(src, args.backend or "cpu"),
                            args.max_memory, args.kv_dtype or DEFAULT_KV_DTYPE, args.prefill_chunk)
-        info["memory_plan"] = plan.__dict__ if hasattr(plan, "__dict__") else str(plan)
+        info["memory_plan"] = dataclasses.asdict(plan)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -487,8 +486,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command in ("info", "perplexity", "bench") and not hasattr(args, "model"):
-        pass
     if hasattr(args, "temperature"):
         from edgeinfer.sampling import SamplingParams
 

@@ -41,7 +41,6 @@ def source_weight_bytes(source: ModelSource, backend: str) -> int:
     An ``.eif`` file's quantized tensors keep their packed size (the reference backend
     dequantizes them to float32); HF/GGUF tensors are held as float32.
     """
-    from .backends.quantized import QuantizedTensor
 
     if source.format == "eif" and backend != "reference":
         # the container maps the file: reading nbytes touches no weight data
