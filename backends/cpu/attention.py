@@ -111,12 +111,11 @@ def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, so
         _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1)
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
-def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split):
-    t_n, hq, hd = q.shape
-    hkv = kc.shape[1]
+@njit(cache=True, inline="always")
+def _item_span(item, hq, hkv, split, n_slots, linear, start, window):
+    """The work of one (token, KV head, query-head part) item, shared by every cache dtype:
+    (t, kv head, first query head, query heads, position, first key, keys)."""
     grp = hq // hkv
-    linear = kpos.shape[0] == 0
     t = item // (hkv * split)
     kh = (item // split) % hkv
     part = item % split
@@ -129,7 +128,17 @@ def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split)
             lo = max(0, p - window + 1)
         n = p + 1 - lo
     else:
-        n = kc.shape[0]
+        n = n_slots  # ring: every slot, masked by its position
+    return t, kh, g0, gn, p, lo, n
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split):
+    t_n, hq, hd = q.shape
+    hkv = kc.shape[1]
+    linear = kpos.shape[0] == 0
+    t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kc.shape[0], linear, start,
+                                         window)
     s = np.empty((gn, n), np.float32)
     qs = np.empty((gn, hd), np.float32)  # this item's query heads, pre-scaled
     for g in range(gn):

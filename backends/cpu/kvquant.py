@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._simd import f32_to_half, half_to_f32
-from .attention import _softmax_inplace
+from .attention import _item_span, _softmax_inplace
 
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _F16_MAX = np.float32(65504.0)
@@ -228,21 +228,9 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scal
     hkv = kq.shape[1]
     gsz = hmat.shape[0]
     ng = hd // gsz
-    grp = hq // hkv
     linear = kpos.shape[0] == 0
-    t = item // (hkv * split)
-    kh = (item // split) % hkv
-    part = item % split
-    g0 = kh * grp + (part * grp) // split
-    gn = kh * grp + ((part + 1) * grp) // split - g0
-    p = start + t
-    lo = 0
-    if linear:
-        if window > 0:
-            lo = max(0, p - window + 1)
-        n = p + 1 - lo
-    else:
-        n = kq.shape[0]
+    t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kq.shape[0], linear, start,
+                                         window)
     qs = np.zeros((gn, hd), np.float32)  # scaled, rotated query heads
     qsum = np.zeros((gn, ng), np.float32)
     for g in range(gn):
