@@ -140,6 +140,25 @@ def test_linear_dense(be, t, n_out, n_in):
                   bias=n_out % 2 == 1)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
+def test_gemv_ignores_stale_values_past_x(be, fmt):
+    """Pooled activation buffers are larger than the tensor and hold stale data (NaN here):
+    a GEMV that reads x past in_features multiplies garbage by the zero padding of W and
+    turns the row into NaN (a CI failure of gemv_f32 at in=257, reading x[257:264])."""
+    from edgeinfer.backends.opencl.memory import DeviceTensor
+
+    rng = np.random.default_rng(7)
+    n_out, n_in = 130, 257
+    wf = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    w = {"f32": wf, "q4": rand_q4(rng, n_out, n_in, 32, False),
+         "q8": rand_q8(rng, n_out, n_in, 32)}[fmt]
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    padded = be.upload(np.concatenate([x[0], np.full(64, np.nan, np.float32)]))
+    xd = DeviceTensor(padded._block, (1, n_in))
+    y = be.to_host(be.linear(xd, be.upload_weight(w)))
+    assert nerr(y, REF.linear(x, REF.upload_weight(w))) < 1e-5
+
+
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("g", [32, 64, 128, "pc"])
 @pytest.mark.parametrize("symmetric", [True, False])

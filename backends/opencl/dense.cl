@@ -1,7 +1,7 @@
 // Float32 kernels: dense GEMV, dense embedding, RMSNorm, RoPE, GLU, add.
 // Output first, then inputs, then sizes (same order as the Numba backend).
 
-// y[N] = W[N, K] @ x[K] (+ bias[N]); W float32 rows padded to KP (multiple of 4) columns.
+// y[N] = W[N, K] @ x[K] (+ bias[N]); W float32 rows padded to KP (>= K) columns.
 // One work-group of LWS items per block of ROWS rows; items stride over float4 columns
 // (consecutive items read consecutive float4: coalesced); local-memory tree reduction.
 __kernel __attribute__((reqd_work_group_size(LWS, 1, 1)))
@@ -13,7 +13,9 @@ void gemv_f32(__global float* y, __global const float* x, __global const float* 
     const int row0 = get_group_id(0) * ROWS;
     float acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (int c = lid; c < KP / 4; c += LWS) {
+    // Only the float4s that hold x's K values: x has no padding, and reading past its end
+    // (the padded W columns are zero, but 0 * NaN garbage is NaN) corrupts the row.
+    for (int c = lid; c < (K + 3) / 4; c += LWS) {
         const int k = 4 * c;
         float4 xv = (float4)(0.0f);
         if (k + 4 <= K) {
