@@ -10,7 +10,9 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 
 from edgeinfer.errors import EdgeInferError
 
@@ -57,18 +59,43 @@ def _sampling(args) -> dict:
                 min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
 
 
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _first_run_convert(*args, **kw):
+    """The converter, imported only when a first run converts a catalog model."""
+    from edgeinfer.quant.convert import convert
+
+    return convert(*args, **kw)
+
+
 def _load(args):
-    import edgeinfer.api as api
+    """The ``--model``; a catalog name runs as its INT4 ``.eif`` (made on first use)."""
+    from edgeinfer import api
     from edgeinfer.catalog import resolve_model
     from edgeinfer.readers import read_model
 
-    path = resolve_model(args.model, progress=not getattr(args, "quiet", False))
+    quiet = getattr(args, "quiet", False)
+    path = resolve_model(args.model, progress=not quiet, prepare_int4=True,
+                         converter=_first_run_convert,
+                         notify=None if quiet else _say)
     return api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
                      kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
                      prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
 
 
-def _print_stats(stats, stream=sys.stderr) -> None:
+def _compile_notice(model) -> None:
+    """Say so before the first generation when the CPU kernels are not compiled yet."""
+    if getattr(model, "kernels_cold", None):
+        model.kernels_cold = False  # compiled by the generation about to run
+        _say("compiling CPU kernels for the first answer (first run only, 15-60 s; "
+             "cached for later runs)...")
+
+
+def _print_stats(stats, stream=sys.stderr, interrupted: bool = False) -> None:
+    if interrupted:
+        print(f"[interrupted after {stats.generated_tokens} tokens]", file=stream)
     print(f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
           f"{stats.generated_tokens} generated; TTFT {stats.ttft_s * 1000:.0f} ms, "
           f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
@@ -78,9 +105,15 @@ def _print_stats(stats, stream=sys.stderr) -> None:
 
 # ---- subcommands -----------------------------------------------------------------------
 def cmd_pull(args) -> int:
-    from edgeinfer.catalog import pull
+    from edgeinfer.catalog import CATALOG, pull
 
-    print(pull(args.name, progress=not args.quiet))
+    path = pull(args.name, progress=not args.quiet)
+    if args.json:
+        e = CATALOG[args.name]
+        print(json.dumps({"name": args.name, "path": str(path), "bytes": path.stat().st_size,
+                          "sha256": e.sha256, "description": e.description}))
+    else:
+        print(path)
     return 0
 
 
@@ -131,6 +164,7 @@ def cmd_info(args) -> int:
 
 def cmd_generate(args) -> int:
     model = _load(args)
+    _compile_notice(model)
     final = None
     for ev in model.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
                            **_sampling(args)):
@@ -150,6 +184,7 @@ CHAT_HELP = """commands:
   /reset           forget the conversation (the system prompt stays)
   /system TEXT     set the system prompt (and start over)
   /stats           TTFT, tokens/s, KV cache use and memory of the last answer
+                   (an answer stopped with Ctrl-C: what it had generated)
   /save FILE       save the conversation as JSON;  /load FILE  load one
   /exit            quit (or Ctrl-D)
 Type \"\"\" on a line of its own to start and end a multi-line message.
@@ -186,7 +221,7 @@ def _chat_command(text: str, state: dict) -> bool:
         print("[system prompt set; conversation cleared]" if rest else "[system prompt removed]")
     elif cmd == "/stats":
         if state["stats"]:
-            _print_stats(state["stats"], sys.stdout)
+            _print_stats(state["stats"], sys.stdout, interrupted=state["interrupted"])
         else:
             print("[no answer yet]")
     elif cmd == "/save":
@@ -215,25 +250,80 @@ def _chat_command(text: str, state: dict) -> bool:
     return True
 
 
+_END = object()
+
+
+def _answer(model, convo: list[dict], args) -> tuple[str, object, bool]:
+    """Stream one reply to stdout; returns (text, final event or None, interrupted).
+
+    Generation runs on a worker thread, so Ctrl-C (SIGINT goes to the main thread) never
+    lands inside the engine: it sets the cancel event and the stream ends within a step
+    with its final event (stats of the tokens so far, for /stats); the KV cache keeps a
+    valid prefix. Raises:
+        EdgeInferError: e.g. the conversation cannot fit the context.
+    """
+    cancel = threading.Event()
+    events: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        try:
+            for ev in model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
+                                        cancel=cancel, **_sampling(args)):
+                events.put(ev)
+        except BaseException as e:  # noqa: BLE001  re-raised on the main thread
+            events.put(e)
+        finally:
+            events.put(_END)
+
+    worker = threading.Thread(target=work, name="edgeinfer-chat", daemon=True)
+    worker.start()
+    reply, final, error = [], None, None
+    while True:
+        try:
+            item = events.get(timeout=0.1)
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                error = item
+                continue
+            if item.stats is not None:
+                final = item
+            if item.text:
+                reply.append(item.text)
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+        except queue.Empty:
+            continue
+        except KeyboardInterrupt:
+            cancel.set()  # the worker stops between steps; keep draining its events
+    worker.join()
+    if error is not None:
+        raise error
+    stopped = cancel.is_set() and (final is None or final.finish_reason == "cancelled")
+    return "".join(reply), final, stopped
+
+
 def cmd_chat(args) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
     interactive = sys.stdin.isatty()
-    print(f"loading {args.model} ...", file=sys.stderr)
+    _say(f"loading {args.model} ...")
     model = _load(args)
-    state = {"system": args.system, "messages": [], "stats": None}
-    print(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
-          f"{model.n_ctx} tokens). /help for commands, Ctrl-D to quit.", file=sys.stderr)
+    state = {"system": args.system, "messages": [], "stats": None, "interrupted": False}
+    _say(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
+         f"{model.n_ctx} tokens). /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
     prompt = ">>> " if interactive else ""
     while True:
         try:
             text = _read_message(prompt).strip()
         except EOFError:
+            if interactive:
+                print()  # leave the terminal on a fresh line
             break
         except KeyboardInterrupt:
-            print()
+            print("\n[Ctrl-D or /exit quits]" if interactive else "")
             continue
         if not text:
             continue
@@ -244,42 +334,38 @@ def cmd_chat(args) -> int:
         state["messages"].append({"role": "user", "content": text})
         system = state["system"]
         convo = ([{"role": "system", "content": system}] if system else []) + state["messages"]
-        reply = []
-        stream = None
+        _compile_notice(model)
         try:
-            stream = model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
-                                       **_sampling(args))
-            for ev in stream:
-                if ev.text:
-                    reply.append(ev.text)
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                if ev.stats is not None:
-                    state["stats"] = ev.stats
-        except KeyboardInterrupt:
-            if stream is not None:
-                stream.close()  # releases the model; the KV cache keeps a valid prefix
-            sys.stdout.write("\n[stopped]")
+            reply, final, interrupted = _answer(model, convo, args)
         except EdgeInferError as e:  # e.g. the conversation outgrew the context
             state["messages"].pop()
             print(f"\nerror: {e}", file=sys.stderr)
             continue
-        sys.stdout.write("\n")
+        if final is not None:
+            state["stats"], state["interrupted"] = final.stats, interrupted
+        sys.stdout.write("\n[stopped]\n" if interrupted else "\n")
         sys.stdout.flush()
-        state["messages"].append({"role": "assistant", "content": "".join(reply).strip()})
+        state["messages"].append({"role": "assistant", "content": reply.strip()})
     return 0
 
 
 def cmd_convert(args) -> int:
-    from edgeinfer.catalog import resolve_model
     from edgeinfer.quant.convert import convert
+
+    from edgeinfer.catalog import resolve_model
 
     src = resolve_model(args.model, progress=not args.quiet)
     report = convert(str(src), args.output, method=args.method, bits=args.bits,
                      group_size=args.group_size, symmetric=args.symmetric,
                      embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
                      seed=args.seed, act_order=args.act_order, progress=not args.quiet)
-    print(json.dumps(report, indent=None if args.json else 2, default=str))
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        g = "per-channel" if report["group_size"] == -1 else f"group {report['group_size']}"
+        print(f"wrote {report['out_path']}: {report['file_size'] / 2**20:.1f} MiB, "
+              f"{report['bits_per_weight']:.2f} bits/weight ({report['method']}, {g}) in "
+              f"{report['convert_seconds']:.1f} s, peak RSS {report['peak_rss_mib']:.0f} MiB")
     return 0
 
 
@@ -287,6 +373,8 @@ def cmd_perplexity(args) -> int:
     from edgeinfer.perplexity import perplexity
 
     model = _load(args)
+    if not args.quiet:
+        _compile_notice(model)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     ids = model.tokenizer.encode(text, add_special=False)
@@ -302,18 +390,23 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import time
+
     import numpy as np
+    from tqdm import tqdm
 
     from edgeinfer.engine import peak_rss_mb
 
-    import time
     t0 = time.perf_counter()
     model = _load(args)
     load_s = time.perf_counter() - t0
+    if not args.quiet:
+        _compile_notice(model)
     rng = np.random.default_rng(0)
     v = model.config.vocab_size
     results = []
-    for _ in range(args.repeat):
+    for _ in tqdm(range(args.repeat), desc="bench", unit="run", file=sys.stderr,
+                  disable=args.quiet):
         ids = rng.integers(100, min(v, 30000), size=args.prompt_tokens).tolist()
         model.engine.reset()
         final = None
@@ -321,7 +414,7 @@ def cmd_bench(args) -> int:
             final = ev
         # random prompts may hit EOS early: only count full runs' stats
         results.append(final.stats)
-    med = lambda xs: float(np.median(xs))  # noqa: E731
+    med = lambda xs: float(np.median(xs))
     out = {
         "model": args.model, "backend": model.backend.name,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
@@ -353,11 +446,9 @@ def cmd_devices(args) -> int:
     except BackendUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(devices, indent=2, default=str))
-        return 0
-    if not devices:
-        print("no OpenCL devices found (install a driver / ICD, e.g. pip install pocl-binary-distribution)")
+    if args.json or not devices:
+        print(json.dumps(devices, indent=2, default=str) if args.json else "no OpenCL devices "
+              "found (install a driver / ICD, e.g. pip install pocl-binary-distribution)")
         return 0
     for d in devices:
         print(f"[{d.get('id', d.get('index'))}] {d.get('name')} ({d.get('platform')}, {d.get('type')}): "
@@ -400,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("pull", help="fetch a catalog model into the cache")
     s.add_argument("name")
-    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("info", help="describe a model (architecture, size, quantization, memory plan)")
@@ -460,7 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=256)
     s.add_argument("--gen-tokens", type=int, default=128)
     s.add_argument("--repeat", type=int, default=3)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("devices", help="list OpenCL platforms and devices")

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-
-import numpy as np
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .engine import Engine, GenerationEvent
+import numpy as np
+
 from .backends.errors import BackendUnavailableError as _BackendUnavailable
+from .engine import Engine, GenerationEvent
 from .errors import BackendUnavailableError
 from .sampling import SamplingParams
 from .source import ModelSource
@@ -33,6 +33,41 @@ DEFAULT_CTX = 4096
 #: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
 #: the bytes of f16 (benchmarks/kv_quality.py; README table).
 DEFAULT_KV_DTYPE = "int8"
+#: Sampling settings for callers that give none, where the model's generation config has
+#: none either (llama.cpp's server defaults): ``edgeinfer serve`` fills omitted request
+#: fields from :meth:`Model.sampling_defaults`.
+FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
+                     "repetition_penalty": 1.0}
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: dict | None) -> dict:
+    """Sampling settings from a model's generation config over :data:`FALLBACK_SAMPLING`.
+
+    Args:
+        generation: ``generation_config.json`` values (``ModelSource.generation``); the
+            keys temperature, top_p, top_k, min_p, repetition_penalty are taken, and an
+            explicit ``"do_sample": false`` means greedy (temperature 0), as in HF.
+
+    Returns:
+        dict of those five :class:`SamplingParams` fields. A value the sampler would
+        refuse (say, a negative temperature) is ignored with a warning.
+    """
+    out = dict(FALLBACK_SAMPLING)
+    gen = generation or {}
+    for key in _GENERATION_KEYS:
+        v = gen.get(key)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        try:
+            SamplingParams(**{**out, key: v})
+        except ValueError as e:
+            log.warning("ignoring generation config %s=%r: %s", key, v, e)
+            continue
+        out[key] = int(v) if key == "top_k" else float(v)
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
 
 
 def source_weight_bytes(source: ModelSource, backend: str) -> int:
@@ -145,6 +180,16 @@ class Model:
         self.engine = Engine(self.transformer, self.tokenizer, n_ctx=n_ctx, kv_dtype=kv_dtype,
                              prefill_chunk=prefill_chunk)
         self._lock = threading.Lock()
+        #: True when the CPU backend's Numba kernels are not compiled yet (a fresh
+        #: install): the first generation then compiles them (15-45 s on 2 cores, once;
+        #: cached on disk after). False when warm, None when unknown or not the CPU.
+        self.kernels_cold = None
+        if self.backend.name == "cpu":
+            from .selfcheck import cpu_kernel_cache_cold
+            self.kernels_cold = cpu_kernel_cache_cold()
+            if self.kernels_cold:
+                log.info("compiling CPU kernels on the first call (first run only, "
+                         "15-45 s; cached on disk for later runs)")
 
     @staticmethod
     def _checked_opencl(backend, source: ModelSource, kv_dtype: str, threads: int | None):
@@ -161,6 +206,12 @@ class Model:
     @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
+
+    def sampling_defaults(self) -> dict:
+        """The model's recommended sampling settings (its generation config over
+        :data:`FALLBACK_SAMPLING`; see :func:`sampling_defaults`). The server uses them
+        for fields a request omits; :meth:`stream_ids` itself stays greedy by default."""
+        return sampling_defaults(self.source.generation)
 
     # ---- prompts ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -297,10 +348,30 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
 
 
-def load(path_or_name: str | Path, **kw) -> Model:
-    """Load a model by path (HF folder, .gguf, .eif) or catalog name (pulled if needed).
+def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
+         progress: bool = False, notify=None, **kw) -> Model:
+    """Load a model by path (HF folder, .gguf, .eif) or catalog name.
 
-    Keyword arguments go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device).
+    A catalog name runs as INT4 when it can: its cached ``NAME.int4.eif`` (made by the
+    first ``edgeinfer chat``), or one made now by ``converter`` (SmolLM2-135M: ~10 s,
+    once; :func:`edgeinfer.catalog.prepare`). The converter is passed in because it is
+    the layer above the runtime (``edgeinfer.quant``), which the runtime never imports.
+    Without either, the GGUF runs as it is, like a ``.gguf`` path: weights dequantized
+    to float32, about twice the memory.
+
+    >>> from edgeinfer.quant.convert import convert                # doctest: +SKIP
+    >>> model = edgeinfer.load("smollm2-135m-instruct", converter=convert)  # doctest: +SKIP
+
+    Args:
+        path_or_name: a path or a catalog name (``smollm2-135m-instruct`` ...).
+        convert: False runs a catalog name's GGUF as it is (no ``.eif`` is used or made).
+        converter: ``edgeinfer.quant.convert.convert`` (or a compatible callable) to make
+            the INT4 file on first use; None uses a cached one only.
+        progress: progress bars on stderr while a first use downloads or converts
+            (default off: the API writes nothing to the terminal).
+        notify: ``callable(str)`` for first-use status lines (they also go to the
+            ``edgeinfer`` logger at INFO), e.g. to show them in an app's window.
+        **kw: go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device, max_memory).
 
     Raises:
         edgeinfer.errors.ModelFormatError: unreadable or inconsistent model.
@@ -309,5 +380,6 @@ def load(path_or_name: str | Path, **kw) -> Model:
     from .catalog import resolve_model
     from .readers import read_model
 
-    path = resolve_model(str(path_or_name))
+    path = resolve_model(str(path_or_name), progress=progress, prepare_int4=convert,
+                         converter=converter, notify=notify)
     return Model(read_model(str(path)), **kw)

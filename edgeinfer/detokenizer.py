@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["StreamingDetokenizer", "SOFT_HOLD", "HARD_HOLD"]
+__all__ = ["HARD_HOLD", "SOFT_HOLD", "StreamingDetokenizer"]
 
 REPLACEMENT_CHAR = "\ufffd"
 SOFT_HOLD = 16   # pending tokens after which a valid-so-far byte-fallback run is released

@@ -223,7 +223,7 @@ class Engine:
             stats.generated_tokens += 1
             history.append(token)
             finish = stopper.on_token(token)
-            if finish is not None and token in tok.eos_ids:
+            if finish == "stop":  # an EOS id (on_token's only "stop"): not emitted
                 break
             text, finish_text = stopper.feed(detok.add(token))
             if text:

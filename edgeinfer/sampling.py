@@ -32,9 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "SamplingParams", "make_rng", "sample", "apply_repetition_penalty",
-    "apply_presence_frequency_penalty", "apply_temperature", "top_k_filter",
-    "top_p_filter", "min_p_filter",
+    "SamplingParams",
+    "apply_presence_frequency_penalty",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "make_rng",
+    "min_p_filter",
+    "sample",
+    "top_k_filter",
+    "top_p_filter",
 ]
 
 

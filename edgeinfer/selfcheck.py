@@ -196,3 +196,45 @@ def self_check(model_cfg: ModelConfig, tensors: Mapping[str, Any] | None = None,
                       f"{worst:.3g} > {tol:.1g} against the reference backend; this device's "
                       "results are not trusted, use the CPU backend", RuntimeWarning, stacklevel=2)
     return ok, worst
+
+
+def cpu_kernel_cache_cold() -> bool | None:
+    """Whether the CPU backend's Numba kernels still have to be compiled (cheap: no compile).
+
+    Numba keeps compiled kernels on disk (``__pycache__`` beside the sources, or
+    ``$NUMBA_CACHE_DIR``); on a fresh install the first call compiles them, which takes
+    15-45 s on 2 cores. This reads each ``@njit(cache=True)`` kernel's index file (a small
+    pickle, checked against the source's time stamp exactly as Numba will) and reports
+    cold when no kernel has cached machine code: a fresh install or an upgrade. Each
+    model uses only some kernels (a dense float32 model: 6 of 28), so once any model ran,
+    another kind of model may still compile its own few without this saying so (seconds
+    to tens of seconds, once).
+
+    Returns:
+        True (cold: expect a long first call), False (warm), or None when it cannot be
+        told (Numba internals changed, or the CPU backend cannot be imported).
+    """
+    try:
+        import sys
+
+        from numba.core.registry import CPUDispatcher
+
+        import edgeinfer.backends.cpu  # noqa: F401  (imports its kernel modules)
+
+        total = cached = 0
+        mods = [m for n, m in list(sys.modules.items())
+                if n.startswith("edgeinfer.backends.cpu.") and m is not None]
+        for mod in mods:
+            for obj in vars(mod).values():
+                if not isinstance(obj, CPUDispatcher) or obj.__module__ != mod.__name__:
+                    continue
+                if obj.targetoptions.get("inline", "never") != "never":
+                    continue  # compiled into its callers, never cached on its own
+                cache_file = getattr(getattr(obj, "_cache", None), "_cache_file", None)
+                if cache_file is None:
+                    continue  # not cache=True
+                total += 1
+                cached += bool(cache_file._load_index())  # {} if missing or stale
+        return None if total == 0 else cached == 0
+    except Exception:  # noqa: BLE001  a heuristic: never let it break a start-up
+        return None

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, Protocol
 
-__all__ = ["StopChecker", "FinishReason", "stop_strings_to_ids"]
+__all__ = ["FinishReason", "StopChecker", "stop_strings_to_ids"]
 
 FinishReason = Literal["stop", "length"]
 

@@ -27,7 +27,7 @@ import tokenizers
 from edgeinfer.chat_template import plain_prompt, render_chat_template
 from edgeinfer.errors import EdgeInferError
 
-__all__ = ["Tokenizer", "MissingChatTemplateError", "plain_prompt", "END_OF_TURN_TOKENS"]
+__all__ = ["END_OF_TURN_TOKENS", "MissingChatTemplateError", "Tokenizer", "plain_prompt"]
 
 # Control tokens that end an assistant turn in common chat formats. Many checkpoints name
 # only the end-of-text token as EOS in their tokenizer config, while the instruct model

@@ -105,3 +105,102 @@ def test_real_pulled_files_are_verified_and_cached(smollm2_gguf):
     assert catalog.pull("smollm2-135m-instruct", progress=False) == smollm2_gguf
     assert catalog.resolve_model("smollm2-135m-instruct") == smollm2_gguf
     assert time.perf_counter() - t < 1.0  # marker trusted: no re-hash of the file
+
+
+# ---- prepare: a catalog model as INT4 .eif, converted once ----------------------------------
+@pytest.fixture
+def smollm2_cache(smollm2_gguf, tmp_path):
+    """A cache folder holding the pulled SmolLM2 GGUF (hard links: no copy, no download)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for f in smollm2_gguf.parent.glob(smollm2_gguf.name + "*"):
+        os.link(f, cache / f.name)
+    return cache
+
+
+def test_prepare_converts_once_with_the_model_card_sampling(smollm2_cache):
+    calls, said = [], []
+
+    def fake_convert(source, out_path, **kw):
+        calls.append((source, kw))
+        Path(out_path).write_bytes(b"eif")
+        return {}
+
+    name = "smollm2-135m-instruct"
+    p = catalog.prepare(name, cache_dir=smollm2_cache, progress=False, notify=said.append,
+                        converter=fake_convert)
+    assert p == smollm2_cache / f"{name}.int4.eif" == catalog.prepared_path(name, smollm2_cache)
+    assert len(calls) == 1
+    source, kw = calls[0]
+    assert kw == {**catalog.PREPARE_OPTIONS, "progress": False}
+    assert kw["method"] == "rtn" and kw["group_size"] == 128 and kw["embed_bits"] == 8
+    assert source.format == "gguf"
+    assert source.generation["temperature"] == 0.2 and source.generation["top_p"] == 0.9
+    assert source.generation["eos_token_id"] == [2, 0]  # the GGUF's own values kept
+    assert said[0].startswith(f"first run: converting {name} to INT4 (RTN, group 128")
+    assert said[-1].startswith("converted in")
+    # later: the cached file at once, no conversion, no message, not even a look at the GGUF
+    said.clear()
+    t = time.perf_counter()
+    assert catalog.prepare(name, cache_dir=smollm2_cache, notify=said.append,
+                           converter=None) == p
+    assert time.perf_counter() - t < 0.05 and said == [] and len(calls) == 1
+
+
+def test_interrupted_conversion_leaves_nothing_and_the_next_run_converts(smollm2_cache):
+    def interrupted(source, out_path, **kw):
+        raise KeyboardInterrupt
+
+    name = "smollm2-135m-instruct"
+    with pytest.raises(KeyboardInterrupt):
+        catalog.prepare(name, cache_dir=smollm2_cache, progress=False, converter=interrupted)
+    assert not catalog.prepared_path(name, smollm2_cache).exists()
+    done = []
+    catalog.prepare(name, cache_dir=smollm2_cache, progress=False,
+                    converter=lambda s, o, **kw: done.append(Path(o).write_bytes(b"x")))
+    assert done and catalog.prepared_path(name, smollm2_cache).exists()
+
+
+def test_concurrent_first_runs_convert_once(smollm2_cache):
+    import threading
+
+    calls = []
+
+    def slow_convert(source, out_path, **kw):
+        calls.append(out_path)
+        time.sleep(0.5)
+        Path(out_path).write_bytes(b"eif")
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(catalog.prepare(
+        "smollm2-135m-instruct", cache_dir=smollm2_cache, progress=False,
+        converter=slow_convert))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
+def test_load_runs_a_catalog_name_as_int4_unless_told_not_to(monkeypatch, stories_dir):
+    import edgeinfer
+
+    seen = []
+    monkeypatch.setattr(catalog, "prepare", lambda name, conv, **kw:
+                        seen.append(("prepare", name, conv)) or stories_dir)
+    monkeypatch.setattr(catalog, "pull", lambda name, **kw: seen.append(("pull", name))
+                        or stories_dir)
+    name = "smollm2-135m-instruct"
+    monkeypatch.setattr(catalog, "prepared_path", lambda name: stories_dir / "absent.eif")
+
+    def conv(*a, **kw):
+        raise AssertionError("prepare is stubbed")
+
+    assert edgeinfer.load(name, backend="reference", converter=conv).generate(
+        "Once upon a time", max_tokens=4)
+    edgeinfer.load(name, backend="reference", convert=False)
+    # no converter and no cached .eif: the runtime never reaches up to edgeinfer.quant
+    edgeinfer.load(name, backend="reference")
+    assert seen == [("prepare", name, conv), ("pull", name), ("pull", name)]
+    # the existing-file and GGUF-returning paths are unchanged
+    assert catalog.resolve_model(stories_dir, prepare_int4=True) == stories_dir

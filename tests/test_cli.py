@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -14,9 +15,10 @@ import pytest
 GOLDEN = ", there was a little girl named Lily."
 
 
-def run_cli(*args, input=None, timeout=240):
+def run_cli(*args, input=None, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", "cli", *args], input=input, capture_output=True,
-                          text=True, timeout=timeout, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          text=True, timeout=timeout, env=env,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
 def test_generate_prints_the_golden_story(stories_dir):
@@ -66,12 +68,14 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session(stories_dir, tmp_pat
         p.stdin.write("Once upon a time\n")
         p.stdin.flush()
         # wait for the answer to start streaming, then interrupt it
-        ready, _, _ = select.select([p.stdout], [], [], 120)
-        assert ready, "no answer started"
-        os.read(p.stdout.fileno(), 16)
+        got = b""
+        while len(got) < 40:  # a few tokens of the answer
+            ready, _, _ = select.select([p.stdout], [], [], 120)
+            assert ready, f"the answer did not start: {got!r}"
+            got += os.read(p.stdout.fileno(), 64)
         p.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        p.stdin.write(f"/save {saved}\n/exit\n")
+        p.stdin.write(f"/save {saved}\n/stats\n/exit\n")
         p.stdin.flush()
         out, err = p.communicate(timeout=120)
     finally:
@@ -81,6 +85,12 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session(stories_dir, tmp_pat
     assert "[stopped]" in out
     convo = json.loads(saved.read_text())
     assert [m["role"] for m in convo["messages"]] == ["user", "assistant"]
+    # /stats describes the interrupted answer itself, not an earlier one (there is none)
+    m = re.search(r"\[interrupted after (\d+) tokens\]\n\[5 prompt tokens \(0 reused\), "
+                  r"(\d+) generated; TTFT \d+ ms, prefill [\d.]+ tok/s, decode ([\d.]+) tok/s", out)
+    assert m, out
+    assert int(m[1]) == int(m[2]) and 2 <= int(m[1]) < 1900
+    assert float(m[3]) > 0  # inter-token latency measured on the interrupted answer
 
 
 def test_generate_on_opencl_matches_reference(stories_dir):
@@ -97,3 +107,108 @@ def test_devices_lists_something_or_says_why():
     r = run_cli("devices")
     assert r.returncode in (0, 1)
     assert r.stdout.strip() or r.stderr.strip()
+
+
+# ---- first run of the default model: pull, convert to INT4 once, then start at once ---------
+def _peak_rss(text: str) -> float:
+    m = re.search(r"peak RSS (\d+) MiB", text)
+    assert m, text
+    return float(m[1])
+
+
+def test_chat_first_run_converts_to_int4_once_then_loads_the_eif(smollm2_gguf, tmp_path):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    for f in smollm2_gguf.parent.glob(smollm2_gguf.name + "*"):  # the pulled GGUF + marker
+        os.link(f, home / "models" / f.name)
+    env = {**os.environ, "EDGEINFER_HOME": str(home)}
+    script = "What is the capital of France?\n/stats\n"
+    args = ("chat", "--temperature", "0", "-n", "12")
+    t = time.perf_counter()
+    first = run_cli(*args, input=script, env=env)
+    first_s = time.perf_counter() - t
+    assert first.returncode == 0, first.stderr
+    eif = home / "models" / "smollm2-135m-instruct.int4.eif"
+    assert "first run: converting smollm2-135m-instruct to INT4" in first.stderr
+    assert str(eif) in first.stderr and "converted in" in first.stderr
+    assert eif.exists() and not list((home / "models").glob(".eif-*.tmp"))
+    assert "Paris" in first.stdout, first.stdout
+    # the INT4 file, not the float32-dequantized GGUF (about 840 MiB peak)
+    assert _peak_rss(first.stdout) < 600
+
+    t = time.perf_counter()
+    again = run_cli(*args, input=script, env=env)
+    again_s = time.perf_counter() - t
+    assert again.returncode == 0, again.stderr
+    assert "first run" not in again.stderr and "converted" not in again.stderr
+    assert again.stdout == first.stdout.replace(
+        re.search(r"\[.*\]", first.stdout)[0], re.search(r"\[.*\]", again.stdout)[0])
+    assert again_s < first_s  # no conversion: seconds less
+
+    # an explicit GGUF path still runs as it is (dequantized: more memory)
+    gguf = run_cli(*args, "-m", str(home / "models" / smollm2_gguf.name), input=script, env=env)
+    assert gguf.returncode == 0 and "first run" not in gguf.stderr, gguf.stderr
+    assert _peak_rss(gguf.stdout) > _peak_rss(again.stdout) + 200
+
+
+def test_cold_kernel_cache_is_announced_in_the_cli_never_printed_by_the_api(stories_dir, tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    code = ("import edgeinfer; m = edgeinfer.load(%r, backend='cpu'); print(m.kernels_cold)"
+            % str(stories_dir))
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert api.returncode == 0 and api.stdout == "True\n" and api.stderr == "", api.stderr
+    gen = ("generate", "-m", str(stories_dir), "--backend", "cpu", "-p", "Once upon a time",
+           "-n", "12")
+    cold = run_cli(*gen, env=env, timeout=400)
+    assert cold.returncode == 0, cold.stderr
+    assert cold.stdout.startswith(GOLDEN), cold.stdout
+    assert "compiling CPU kernels for the first answer (first run only" in cold.stderr
+    warm = run_cli(*gen, env=env)
+    assert warm.returncode == 0 and warm.stdout == cold.stdout
+    assert "compiling" not in warm.stderr, warm.stderr
+
+
+# ---- --quiet / --json on pull, convert, perplexity, bench -------------------------------------
+def test_pull_json_and_quiet(smollm2_gguf):
+    r = run_cli("pull", "smollm2-135m-instruct", "--json", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    info = json.loads(r.stdout)
+    assert info["path"] == str(smollm2_gguf) and info["bytes"] == 98362432
+    r = run_cli("pull", "smollm2-135m-instruct", "-q")
+    assert r.stdout == f"{smollm2_gguf}\n" and r.stderr == ""
+
+
+def test_convert_perplexity_bench_quiet_json_and_progress(stories_dir, tmp_path):
+    out = tmp_path / "s.eif"
+    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "--group-size",
+                "32", "--json", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["out_path"] == str(out) and rep["file_size"] == out.stat().st_size
+    assert rep["method"] == "rtn" and rep["group_size"] == 32
+    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "--group-size", "32")
+    assert r.returncode == 0 and "rtn layers" in r.stderr  # the progress bar
+    assert re.fullmatch(r"wrote .*s\.eif: [\d.]+ MiB, [\d.]+ bits/weight \(rtn, group 32\) in "
+                        r"[\d.]+ s, peak RSS \d+ MiB\n", r.stdout), r.stdout
+
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She liked to play. " * 40)
+    ppl = ("perplexity", str(out), "--backend", "reference", "--text", str(text), "--chunk", "64",
+           "--chunks", "2")
+    r = run_cli(*ppl, "--json", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    res = json.loads(r.stdout)
+    assert res["chunks"] == 2 and 1.0 < res["ppl"] < 50
+    r = run_cli(*ppl)
+    assert "perplexity" in r.stderr and r.stdout.startswith(f"perplexity {res['ppl']:.4f} over")
+
+    bench = ("bench", str(out), "--backend", "reference", "--prompt-tokens", "8",
+             "--gen-tokens", "4", "--repeat", "2")
+    r = run_cli(*bench, "--json", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    b = json.loads(r.stdout)
+    assert b["prompt_tokens"] == 8 and len(b["generated"]) == 2 and b["decode_tok_s"] > 0
+    r = run_cli(*bench)
+    assert r.returncode == 0 and "bench" in r.stderr and "2/2" in r.stderr
+    assert re.search(r"^decode_tok_s +[\d.]+$", r.stdout, re.M), r.stdout

@@ -290,3 +290,47 @@ def test_request_abandoned_while_queued_never_runs(server, client):
     assert wait_for(lambda: counters.active == 0), "A was not cancelled"
     time.sleep(0.1)
     assert counters.started == started + 1  # B never started
+
+
+# ---- sampling defaults: the model's, not OpenAI's temperature 1 --------------------------------
+def test_sampling_defaults_come_from_the_generation_config():
+    from edgeinfer.api import FALLBACK_SAMPLING, sampling_defaults
+
+    assert sampling_defaults({}) == FALLBACK_SAMPLING == {
+        "temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0}
+    got = sampling_defaults({"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2]})
+    assert got == {**FALLBACK_SAMPLING, "temperature": 0.2, "top_p": 0.9}
+    assert sampling_defaults({"do_sample": False, "temperature": 0.6})["temperature"] == 0.0
+    # a value the sampler refuses is ignored, not fatal
+    assert sampling_defaults({"temperature": -1, "top_k": 20})["temperature"] == 0.8
+    assert sampling_defaults({"temperature": -1, "top_k": 20})["top_k"] == 20
+
+
+def test_omitted_temperature_uses_the_fallback_defaults(client):
+    # stories260K's generation config has no sampling keys: llama.cpp's defaults apply
+    base = dict(model=NAME, prompt=PROMPT, max_tokens=24, seed=3)
+    implicit = client.completions.create(**base).choices[0].text
+    explicit = client.completions.create(
+        **base, temperature=0.8, top_p=0.95, extra_body={"top_k": 40, "min_p": 0.05}
+    ).choices[0].text
+    assert implicit == explicit and implicit
+
+
+def test_omitted_temperature_uses_the_models_generation_config(stories_dir):
+    import dataclasses
+
+    from edgeinfer import api
+    from edgeinfer.readers import read_model
+
+    src = read_model(str(stories_dir))
+    greedy = api.Model(dataclasses.replace(src, generation={**src.generation, "temperature": 0.0}),
+                       backend="reference", n_ctx=128)
+    assert greedy.sampling_defaults()["temperature"] == 0.0
+    with ServerThread(create_app(greedy, NAME)) as s:
+        r = post(s, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12}, key=None)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].startswith(GOLDEN_START)  # greedy: the golden text
+        # an explicit request value still wins
+        r = post(s, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5,
+                                        "seed": 5}, key=None)
+        assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith(GOLDEN_START)

@@ -1,0 +1,255 @@
+"""Request side of the OpenAI-compatible server: error bodies, validation, auth.
+
+Every rejection is an :class:`APIError` rendered as an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}`` (no pydantic: requests are small and
+checked by hand so each message names the offending field). :func:`parse_common` turns
+the fields both endpoints share into a :class:`GenRequest`, filling omitted sampling
+fields from the served model's defaults (:func:`edgeinfer.api.sampling_defaults`).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# ---- errors ----------------------------------------------------------------------------
+class APIError(Exception):
+    """A request the server refuses, rendered as an OpenAI-style error body.
+
+    Args:
+        status: HTTP status code (4xx, or 5xx for server faults).
+        message: what is wrong and how to fix it.
+        type: OpenAI error type ("invalid_request_error", "authentication_error", ...).
+        param: the offending request field, if any.
+        code: a machine-readable code ("model_not_found", "invalid_api_key", ...).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=headers)
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- request validation -------------------------------------------------------------------
+def get_number(body: dict, name: str, default: float, lo: float, hi: float,
+                lo_open: bool = False) -> float:
+    """``body[name]`` as a float in [lo, hi] (or (lo, hi] with ``lo_open``); null = default."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(name, f"'{name}' must be a number, got {type(v).__name__}", "invalid_type")
+    if not (lo < v <= hi if lo_open else lo <= v <= hi):
+        rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise invalid(name, f"'{name}' must be in {rng}, got {v!r}")
+    return float(v)
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    """``body[name]`` as an int >= ``lo``; null or absent = default. Floats are refused."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(name, f"'{name}' must be an integer, got {type(v).__name__}", "invalid_type")
+    if lo is not None and v < lo:
+        raise invalid(name, f"'{name}' must be >= {lo}, got {v}")
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"'{name}' must be a boolean, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    """``stop``: null, a string, or a list of up to 16 strings (empty strings ignored)."""
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if len(v) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+    return [s for s in v if s]
+
+
+def get_messages(body: dict) -> list[dict]:
+    """``messages`` as ``[{"role", "content": str}]``; text parts of list contents joined."""
+    msgs = body.get("messages")
+    if msgs is None:
+        raise APIError(400, "'messages' is required: a list of {role, content} objects",
+                       param="messages", code="missing_required_parameter")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(p, f"{p} must be an object with 'role' and 'content'", "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{p}.role", f"{p}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise invalid(f"{p}.content[{j}]", f"{p}.content[{j}]: only text parts "
+                                   "({'type': 'text', 'text': ...}) are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise invalid(f"{p}.content", f"{p}.content must be a string or a list of text parts",
+                           "invalid_type")
+        # OpenAI's "developer" role is the system prompt of newer models; templates know "system"
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def get_prompt(body: dict) -> str | list[int]:
+    """``prompt`` of /v1/completions: a string or token ids (one prompt only)."""
+    v = body.get("prompt")
+    if v is None:
+        raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return v
+    raise invalid("prompt", "'prompt' must be a string or a list of token ids "
+                   "(batches of several prompts are not supported)")
+
+
+@dataclass
+class GenRequest:
+    """A validated generation request (either endpoint)."""
+
+    stream: bool
+    max_tokens: int | None
+    stop: list[str]
+    sampling: dict
+    include_usage: bool = False
+
+
+#: What a request gets for omitted sampling fields when the server is given no model
+#: defaults (OpenAI's own: no filtering); ``edgeinfer serve`` passes the model's instead.
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                   "repetition_penalty": 1.0}
+
+
+def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> GenRequest:
+    """The parameters both endpoints share.
+
+    Args:
+        body: the JSON request.
+        model_name: the served model id (``model`` may be omitted or must equal it).
+        defaults: values for omitted ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+            ``repetition_penalty`` (the model's generation config, as llama.cpp's server
+            and ollama do); missing keys fall back to :data:`OPENAI_SAMPLING`.
+
+    Raises:
+        APIError: 404 for a model other than the served one, 400 for anything malformed.
+    """
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise invalid("model", "'model' must be a string", "invalid_type")
+        if model != model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{model_name}'", param="model", code="model_not_found")
+    n = get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise invalid("n", "only n=1 is supported (one model, one KV cache)")
+    for name, off in (("logprobs", (None, False)), ("top_logprobs", (None, 0)),
+                      ("echo", (None, False)), ("best_of", (None, 1))):
+        if body.get(name) not in off:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name,
+                           code="unsupported_parameter")
+    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, lo=1)
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
+    include_usage = bool(stream and opts and get_bool(opts, "include_usage", False))
+    d = {**OPENAI_SAMPLING, **(defaults or {})}
+    sampling = dict(
+        temperature=get_number(body, "temperature", d["temperature"], 0.0, 2.0),
+        top_p=get_number(body, "top_p", d["top_p"], 0.0, 1.0, lo_open=True),
+        # extensions (llama.cpp / vLLM servers); OpenAI itself applies neither filter
+        top_k=get_int(body, "top_k", d["top_k"], lo=0),
+        min_p=get_number(body, "min_p", d["min_p"], 0.0, 1.0),
+        repetition_penalty=get_number(body, "repetition_penalty", d["repetition_penalty"],
+                                      0.0, 10.0, lo_open=True),
+        presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=get_int(body, "seed", None, lo=0),
+    )
+    try:  # the sampler's own checks, so that nothing fails later on the worker thread
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+    # logit_bias, user, metadata, tools, ... are accepted and ignored
+    return GenRequest(stream=stream, max_tokens=max_tokens, stop=get_stop(body),
+                      sampling=sampling, include_usage=include_usage)
+
+
+def check_auth(request: Request, api_key: str | None) -> None:
+    """Raises APIError 401 unless ``Authorization: Bearer <api_key>`` is present (when set)."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(401, "No API key provided: send 'Authorization: Bearer <key>' (the key "
+                       "given to edgeinfer serve --api-key)", type="authentication_error",
+                       code="invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect API key provided", type="authentication_error",
+                       code="invalid_api_key")
+
+
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    return body
