@@ -10,9 +10,7 @@ import dataclasses
 import json
 import logging
 import os
-import queue
 import sys
-import threading
 
 from edgeinfer.errors import EdgeInferError
 
@@ -179,174 +177,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
-CHAT_HELP = """commands:
-  /help            this text
-  /reset           forget the conversation (the system prompt stays)
-  /system TEXT     set the system prompt (and start over)
-  /stats           TTFT, tokens/s, KV cache use and memory of the last answer
-                   (an answer stopped with Ctrl-C: what it had generated)
-  /save FILE       save the conversation as JSON;  /load FILE  load one
-  /exit            quit (or Ctrl-D)
-Type \"\"\" on a line of its own to start and end a multi-line message.
-Ctrl-C stops the current answer and keeps the conversation."""
-
-
-def _read_message(prompt: str) -> str:
-    """One user message: a line, or a block between two lines of triple quotes."""
-    line = input(prompt)
-    if line.strip() != '"""':
-        return line
-    lines = []
-    while True:
-        more = input("... " if prompt else "")
-        if more.strip() == '"""':
-            return "\n".join(lines)
-        lines.append(more)
-
-
-def _chat_command(text: str, state: dict) -> bool:
-    """Run a slash command; returns False when the chat should end."""
-    cmd, _, rest = text.partition(" ")
-    rest = rest.strip()
-    if cmd in ("/exit", "/quit", "/bye"):
-        return False
-    if cmd == "/help":
-        print(CHAT_HELP)
-    elif cmd == "/reset":
-        state["messages"].clear()
-        print("[conversation cleared]")
-    elif cmd == "/system":
-        state["system"] = rest or None
-        state["messages"].clear()
-        print("[system prompt set; conversation cleared]" if rest else "[system prompt removed]")
-    elif cmd == "/stats":
-        if state["stats"]:
-            _print_stats(state["stats"], sys.stdout, interrupted=state["interrupted"])
-        else:
-            print("[no answer yet]")
-    elif cmd == "/save":
-        if not rest:
-            print("usage: /save FILE")
-        else:
-            with open(rest, "w", encoding="utf-8") as f:
-                json.dump({"system": state["system"], "messages": state["messages"]}, f,
-                          ensure_ascii=False, indent=2)
-            print(f"[saved {len(state['messages'])} messages to {rest}]")
-    elif cmd == "/load":
-        try:
-            with open(rest, encoding="utf-8") as f:
-                data = json.load(f)
-            msgs = data["messages"]
-            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs):
-                raise ValueError("every message needs a role and a content")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"[cannot load {rest!r}: {e}]")
-        else:
-            state["system"] = data.get("system")
-            state["messages"][:] = msgs
-            print(f"[loaded {len(msgs)} messages]")
-    else:
-        print(f"unknown command {cmd}; /help lists them")
-    return True
-
-
-_END = object()
-
-
-def _answer(model, convo: list[dict], args) -> tuple[str, object, bool]:
-    """Stream one reply to stdout; returns (text, final event or None, interrupted).
-
-    Generation runs on a worker thread, so Ctrl-C (SIGINT goes to the main thread) never
-    lands inside the engine: it sets the cancel event and the stream ends within a step
-    with its final event (stats of the tokens so far, for /stats); the KV cache keeps a
-    valid prefix. Raises:
-        EdgeInferError: e.g. the conversation cannot fit the context.
-    """
-    cancel = threading.Event()
-    events: queue.Queue = queue.Queue()
-
-    def work() -> None:
-        try:
-            for ev in model.chat_stream(convo, max_tokens=args.max_tokens, stop=args.stop,
-                                        cancel=cancel, **_sampling(args)):
-                events.put(ev)
-        except BaseException as e:  # noqa: BLE001  re-raised on the main thread
-            events.put(e)
-        finally:
-            events.put(_END)
-
-    worker = threading.Thread(target=work, name="edgeinfer-chat", daemon=True)
-    worker.start()
-    reply, final, error = [], None, None
-    while True:
-        try:
-            item = events.get(timeout=0.1)
-            if item is _END:
-                break
-            if isinstance(item, BaseException):
-                error = item
-                continue
-            if item.stats is not None:
-                final = item
-            if item.text:
-                reply.append(item.text)
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
-        except queue.Empty:
-            continue
-        except KeyboardInterrupt:
-            cancel.set()  # the worker stops between steps; keep draining its events
-    worker.join()
-    if error is not None:
-        raise error
-    stopped = cancel.is_set() and (final is None or final.finish_reason == "cancelled")
-    return "".join(reply), final, stopped
-
-
 def cmd_chat(args) -> int:
-    try:
-        import readline  # noqa: F401  (line editing and history for input())
-    except ImportError:
-        pass
-    interactive = sys.stdin.isatty()
+    from edgeinfer.chat_repl import run_chat
+
     _say(f"loading {args.model} ...")
     model = _load(args)
-    state = {"system": args.system, "messages": [], "stats": None, "interrupted": False}
     _say(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
          f"{model.n_ctx} tokens). /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
-    prompt = ">>> " if interactive else ""
-    while True:
-        try:
-            text = _read_message(prompt).strip()
-        except EOFError:
-            if interactive:
-                print()  # leave the terminal on a fresh line
-            break
-        except KeyboardInterrupt:
-            print("\n[Ctrl-D or /exit quits]" if interactive else "")
-            continue
-        if not text:
-            continue
-        if text.startswith("/"):
-            if not _chat_command(text, state):
-                break
-            continue
-        state["messages"].append({"role": "user", "content": text})
-        system = state["system"]
-        convo = ([{"role": "system", "content": system}] if system else []) + state["messages"]
-        _compile_notice(model)
-        try:
-            reply, final, interrupted = _answer(model, convo, args)
-        except EdgeInferError as e:  # e.g. the conversation outgrew the context
-            state["messages"].pop()
-            print(f"\nerror: {e}", file=sys.stderr)
-            continue
-        if final is not None:
-            state["stats"], state["interrupted"] = final.stats, interrupted
-        sys.stdout.write("\n[stopped]\n" if interrupted else "\n")
-        sys.stdout.flush()
-        state["messages"].append({"role": "assistant", "content": reply.strip()})
-    return 0
+    return run_chat(model, system=args.system, max_tokens=args.max_tokens, stop=args.stop,
+                    sampling=_sampling(args), print_stats=_print_stats,
+                    compile_notice=_compile_notice)
 
 
 def cmd_convert(args) -> int:
@@ -477,7 +317,8 @@ def cmd_serve(args) -> int:
                                else args.model)
     key_note = " (API key required)" if args.api_key else ""
     serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
-          log_level=str(args.log_level).lower(),
+          log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
+          access_log=not args.quiet,
           on_listening=lambda url: print(f"serving {name} ({model.backend.name} backend) at "
                                          f"{url}{key_note}; Ctrl-C stops", file=sys.stderr))
     return 0
@@ -570,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $EDGEINFER_API_KEY, else no key)")
     s.add_argument("--model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model)")
+    s.add_argument("--max-tokens", "-n", type=int, default=None, metavar="N",
+                   help="most tokens to generate for a request that sets no max_tokens "
+                        "(default: unlimited, i.e. up to the end of the context, as OpenAI; "
+                        "a request's own max_tokens always applies)")
+    s.add_argument("--quiet", "-q", action="store_true",
+                   help="no log line per request on stderr (method, path, status, tokens, seconds)")
     s.set_defaults(func=cmd_serve)
     return p
 
@@ -584,11 +431,12 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             SamplingParams(**_sampling(args))
-            if args.max_tokens < 1:
-                raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if getattr(args, "max_tokens", None) is not None and args.max_tokens < 1:
+        print(f"error: --max-tokens must be at least 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except EdgeInferError as e:

@@ -213,6 +213,29 @@ class Model:
         for fields a request omits; :meth:`stream_ids` itself stays greedy by default."""
         return sampling_defaults(self.source.generation)
 
+    def warm_up(self) -> float:
+        """Run every kernel of a generation once, so the first real call does not pay for
+        loading them: the CPU backend loads each Numba kernel from its on-disk cache on
+        first use, about 0.4 s on 2 idle cores and over 1.5 s on a loaded machine, all of
+        it counted in the first call's TTFT. A 3-token prompt (the prefill kernels) and
+        two sampled tokens (the decode kernels); the KV cache is reset afterwards. Takes
+        the model's lock, so a call made meanwhile waits for it (the chat runs this
+        while the user types the first message). On a cold kernel cache this compiles
+        them (15-60 s).
+
+        Returns:
+            seconds spent.
+        """
+        t0 = time.perf_counter()
+        ids = (self.encode_prompt("Hello, world") + [0, 0, 0])[:3]
+        with self._lock:
+            try:
+                for _ in self.engine.stream(ids, max_tokens=2):
+                    pass
+            finally:
+                self.engine.reset()
+        return time.perf_counter() - t0
+
     # ---- prompts ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a plain-text prompt (BOS added once if the model wants it)."""
@@ -276,12 +299,15 @@ class Model:
 
         A conversation longer than the context loses its oldest whole turns (the system
         prompt is kept; room for ``max_tokens`` is reserved up to half the context): see
-        :func:`edgeinfer.conversation.fit_messages`.
+        :func:`edgeinfer.conversation.fit_messages`. Where the KV cache holds the previous
+        reply as sampled and that differs from the re-tokenized text (a non-canonical
+        split, "Q"+"LT" for "QL"+"T"), the sampled ids are kept so the whole reply is
+        reused (:func:`edgeinfer.conversation.reuse_cached_ids`).
 
         Raises:
             ContextOverflowError: even the system prompt and the last turn do not fit.
         """
-        from .conversation import fit_messages
+        from .conversation import fit_messages, reuse_cached_ids
 
         reserve = min(kw.get("max_tokens", 256), self.n_ctx // 2)
         ids = self.encode_chat(messages)
@@ -289,6 +315,12 @@ class Model:
             kept, dropped = fit_messages(list(messages), self.encode_chat, self.n_ctx, reserve)
             log.info("context full: dropped the %d oldest messages", dropped)
             ids = self.encode_chat(kept)
+        # the previous reply as the model sampled it (and its KV cache holds it), even
+        # where that is not how the tokenizer would spell its text: reused, not recomputed
+        spliced = reuse_cached_ids(ids, list(self.engine.cached_ids),
+                                   lambda t: self.tokenizer.decode(t, skip_special=False))
+        if len(spliced) <= self.n_ctx:
+            ids = spliced
         return self.stream_ids(ids, **kw)
 
     def chat(self, messages: Sequence[dict], **kw) -> str:

@@ -12,6 +12,10 @@ fragment), plus ``reserve`` tokens for the reply, fits ``n_ctx``. The last turn 
 newest user message and what follows it) is never dropped: if it does not fit with
 the system prompt, :class:`~edgeinfer.errors.ContextOverflowError` says by how much.
 The BOS token, if the template or tokenizer adds one, is part of every render.
+
+:func:`reuse_cached_ids` keeps the previous reply as the model sampled it (as its KV cache
+holds it) where re-tokenizing its text would spell it with other ids, so prefix reuse
+covers the whole reply.
 """
 from __future__ import annotations
 
@@ -98,3 +102,89 @@ def fit_messages(messages: Sequence[dict], render_ids: Callable[[list[dict]], li
             lo = mid + 1
     kept, _ = render(lo)
     return kept, len(messages) - len(kept)
+
+
+#: Most tokens either side may hold between two points where their texts agree again.
+RESYNC_WINDOW = 64
+
+
+def _text_prefix_of(a: str, b: str) -> bool:
+    """Whether ``a`` (an incomplete trailing character, U+FFFD, dropped) starts ``b``."""
+    return b.startswith(a.rstrip("\ufffd"))
+
+
+def reuse_cached_ids(rendered: Sequence[int], cached: Sequence[int],
+                     decode: Callable[[list[int]], str],
+                     window: int = RESYNC_WINDOW) -> list[int]:
+    """``rendered`` with the cached ids substituted where both spell the same text.
+
+    A conversation is re-rendered to text and re-tokenized every turn, but the KV cache
+    holds the ids the model *sampled*, and a sampled sequence need not be the canonical
+    tokenization of its text: SmolLM2 may sample "Q" + "LT" where the tokenizer writes
+    "QL" + "T". Prefix reuse compares ids, so it would stop there and recompute the rest
+    of the reply. This walks both sequences past the first differing id while their
+    decoded texts stay consistent and, at the furthest point where the texts agree
+    again, splices: ``cached[:k] + rendered[j:]``. The result decodes to the text of
+    ``rendered``; it spells the reply as the model generated it (as its KV cache holds
+    it), which is what the model saw anyway.
+
+    Both decode windows start at the same already-shared id, so decoder effects at a
+    window start (SentencePiece's first-space strip) cancel out.
+
+    Args:
+        rendered: prompt ids of the new turn (chat template applied).
+        cached: ids the KV cache holds (``Engine.cached_ids``).
+        decode: ids -> text *keeping* special tokens (e.g.
+            ``lambda ids: tokenizer.decode(ids, skip_special=False)``).
+        window: give up after this many tokens on either side without the texts agreeing.
+
+    Returns:
+        a new list of ids; ``list(rendered)`` when nothing can be spliced (no shared
+        prefix, the texts really differ, or the cache already covers the common part).
+    """
+    r, c = list(rendered), list(cached)
+    i = j = _common(c, r)
+    if i == 0:
+        return r
+    best = (i, j)
+    anchor_c, anchor_r = i - 1, j - 1  # a shared id: both windows start with it
+    while i < len(c) and j < len(r):
+        # texts of c[anchor_c:i] and r[anchor_r:j] agree; c[i] != r[j]: walk the side whose
+        # text is shorter until they agree again, or disagree, or run past the window.
+        si, sj = i, j
+        tc, tr = decode(c[anchor_c:i]), decode(r[anchor_r:j])
+        synced = False
+        while i - si <= window and j - sj <= window:
+            if len(tc) <= len(tr) and i < len(c):
+                i += 1
+                tc = decode(c[anchor_c:i])
+            elif j < len(r):
+                j += 1
+                tr = decode(r[anchor_r:j])
+            else:
+                break
+            if not (_text_prefix_of(tc, tr) or _text_prefix_of(tr, tc)):
+                break
+            if tc == tr and not tc.endswith("\ufffd"):
+                synced = True
+                break
+        if not synced:
+            break
+        n = _common(c[i:], r[j:])
+        best = (i + n, j + n)
+        if n == 0:
+            continue  # agree again but differ at once: keep the older anchor
+        i, j = i + n, j + n
+        anchor_c, anchor_r = i - 1, j - 1
+    k, j = best
+    if k <= _common(c, r):
+        return r
+    return c[:k] + r[j:]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

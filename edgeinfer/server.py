@@ -24,9 +24,15 @@ Policy (documented for users):
   do: its generation config (a catalog model's ``.eif`` carries the model card's, e.g.
   SmolLM2: temperature 0.2, top_p 0.9), else llama.cpp's (temperature 0.8, top_p 0.95,
   top_k 40, min_p 0.05) -- OpenAI's temperature 1 makes a small model ramble.
-  ``max_tokens`` runs up to the end of the context; ``presence_penalty`` and
+  A request without ``max_tokens`` runs up to the end of the context (OpenAI's
+  semantics), or up to the server's ``default_max_tokens`` (``edgeinfer serve
+  --max-tokens N``) when one is set; ``presence_penalty`` and
   ``frequency_penalty`` in [-2, 2] are applied; ``top_k``, ``min_p`` and
   ``repetition_penalty`` are accepted as extensions (as llama.cpp's server does).
+* ``created`` is the time the request arrived (seconds since the epoch), as OpenAI's.
+* One log line per request on the ``edgeinfer.server.access`` logger (INFO): method,
+  path, status, prompt+completion tokens, seconds (:func:`serve` prints them on stderr
+  unless ``access_log=False``; ``edgeinfer serve --quiet``).
 * Bad requests get a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
   unexpected failures a 500 with the same shape and no traceback (it goes to the log).
 """
@@ -44,6 +50,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -73,13 +80,50 @@ __all__ = ["APIError", "ServeError", "ServerCounters", "create_app", "default_mo
            "serve"]
 
 log = logging.getLogger("edgeinfer.server")
+access_log = logging.getLogger("edgeinfer.server.access")
+
+
+class _AccessLog:
+    """ASGI middleware: one ``access_log`` line per HTTP request once its response ends.
+
+    ``METHOD PATH STATUS P+C tokens S s``: P and C are the usage counts a generation
+    route leaves in ``request.state.usage`` ("-" for other routes); a streamed answer is
+    logged when its last event is sent, a client that left as status 499.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        scope.setdefault("state", {})
+        status: list[int] = []
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            usage = scope["state"].get("usage") if isinstance(scope["state"], dict) else None
+            tokens = (f"{usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage
+                      else "- tokens")
+            access_log.info("%s %s %s %s %.2f s", scope.get("method"), scope.get("path"),
+                            status[0] if status else 500, tokens, time.perf_counter() - t0)
 
 
 class _Server:
     """The state behind one app: the model, its FIFO gate, counters."""
 
-    def __init__(self, model, model_name: str, api_key: str | None):
+    def __init__(self, model, model_name: str, api_key: str | None,
+                 default_max_tokens: int | None = None):
         self.model = model
+        self.default_max_tokens = default_max_tokens
         self.model_name = model_name
         self.api_key = api_key
         # sampling for fields a request omits: the model's generation config (over
@@ -136,6 +180,8 @@ class _Server:
                            f"{self.model.n_ctx} (and at least one must be generated); shorten "
                            f"the prompt or start the server with a larger --ctx",
                            param=param, code="context_length_exceeded")
+        if req.max_tokens is None and self.default_max_tokens is not None:
+            req.max_tokens = self.default_max_tokens  # else: up to the end of the context
         loop = asyncio.get_running_loop()
         return Generation(self.model, ids, req, loop,
                            on_done=lambda finish: self._on_done(loop, finish))
@@ -169,14 +215,16 @@ class _Server:
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def chat_completions(self, request: Request) -> Response:
+        created = int(time.time())  # when the request arrived, not when it is answered
         check_auth(request, self.api_key)
         body = await read_json(request)
         req = parse_common(body, self.model_name, self.sampling_defaults)
         messages = get_messages(body)
         ids = await self._encode(lambda: self.model.encode_chat(messages), "messages")
-        return await self._respond(request, ids, req, chat=True)
+        return await self._respond(request, ids, req, chat=True, created=created)
 
     async def completions(self, request: Request) -> Response:
+        created = int(time.time())
         check_auth(request, self.api_key)
         body = await read_json(request)
         req = parse_common(body, self.model_name, self.sampling_defaults)
@@ -188,19 +236,19 @@ class _Server:
             if any(not 0 <= t < vocab for t in prompt):
                 raise invalid("prompt", f"token ids must be in [0, {vocab})")
             ids = list(prompt)
-        return await self._respond(request, ids, req, chat=False)
+        return await self._respond(request, ids, req, chat=False, created=created)
 
     # ---- responses -------------------------------------------------------------------
     async def _respond(self, request: Request, ids: list[int], req: GenRequest,
-                       chat: bool) -> Response:
+                       chat: bool, created: int) -> Response:
         gen = self._new_generation(ids, req, "messages" if chat else "prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if req.stream:
-            return EventStream(self._stream(gen, rid, chat), gen.cancel)
-        return await self._complete(request, gen, rid, chat)
+            return EventStream(self._stream(request, gen, rid, chat, created), gen.cancel)
+        return await self._complete(request, gen, rid, chat, created)
 
     async def _complete(self, request: Request, gen: Generation, rid: str,
-                        chat: bool) -> Response:
+                        chat: bool, created: int) -> Response:
         async def run() -> tuple[str, Any]:
             await self._start(gen)
             parts, final = [], None
@@ -223,7 +271,8 @@ class _Server:
             return Response(status_code=499)  # nobody is listening
         text, final = self._result_or_error(work)
         reason = openai_finish_reason(final.finish_reason if final else None)
-        created = int(time.time())
+        usage = usage_of(final.stats if final else None)
+        request.state.usage = usage  # for the access log
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": reason}
@@ -233,8 +282,7 @@ class _Server:
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created,
                              "model": self.model_name, "choices": [choice],
-                             "usage": usage_of(final.stats if final else None),
-                             "system_fingerprint": None})
+                             "usage": usage, "system_fingerprint": None})
 
     @staticmethod
     def _result_or_error(work: asyncio.Future):
@@ -245,8 +293,8 @@ class _Server:
         except EdgeInferError as e:
             raise APIError(400, str(e)) from None
 
-    async def _stream(self, gen: Generation, rid: str, chat: bool) -> AsyncIterator[str]:
-        created = int(time.time())
+    async def _stream(self, request: Request, gen: Generation, rid: str, chat: bool,
+                      created: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
@@ -278,11 +326,12 @@ class _Server:
                                   "code": err.code}})
             yield "data: [DONE]\n\n"
             return
+        usage = usage_of(final.stats if final else None)
+        request.state.usage = usage  # for the access log
         yield chunk(None, openai_finish_reason(final.finish_reason if final else None))
         if gen.req.include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                        "system_fingerprint": None, "choices": [],
-                        "usage": usage_of(final.stats if final else None)})
+                        "system_fingerprint": None, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
 
@@ -302,26 +351,31 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error (see the server log)", type="server_error").response()
 
 
-def create_app(model, model_name: str, api_key: str | None = None) -> Starlette:
+def create_app(model, model_name: str, api_key: str | None = None,
+               default_max_tokens: int | None = None) -> Starlette:
     """Build the ASGI app serving ``model`` under the OpenAI API.
 
     Args:
         model: an :class:`edgeinfer.api.Model` (its lock and KV cache are used as they are).
         model_name: the id clients pass as ``model`` and ``/v1/models`` lists.
         api_key: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``.
+        default_max_tokens: tokens generated at most for a request that gives no
+            ``max_tokens`` (None: up to the end of the context, OpenAI's semantics).
 
     Returns:
         A Starlette app; ``app.state.counters`` (:class:`ServerCounters`) counts finished
         generations by outcome (``cancelled`` = the client disconnected).
 
     Raises:
-        ValueError: an empty ``model_name`` or ``api_key``.
+        ValueError: an empty ``model_name`` or ``api_key``, or ``default_max_tokens`` < 1.
     """
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be None or >= 1, got {default_max_tokens}")
     if not model_name:
         raise ValueError("model_name must be a non-empty string")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None (no authentication) or a non-empty string")
-    srv = _Server(model, model_name, api_key)
+    srv = _Server(model, model_name, api_key, default_max_tokens)
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
@@ -329,7 +383,7 @@ def create_app(model, model_name: str, api_key: str | None = None) -> Starlette:
         Route("/v1/chat/completions", srv.chat_completions, methods=["POST"]),
         Route("/v1/completions", srv.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={
+    app = Starlette(routes=routes, middleware=[Middleware(_AccessLog)], exception_handlers={
         APIError: _api_error, HTTPException: _http_error, Exception: _server_error})
     app.state.counters = srv.counters
     app.state.model_name = model_name
@@ -368,9 +422,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _setup_access_log(enabled: bool) -> None:
+    """Route ``access_log`` lines to stderr (``HH:MM:SS METHOD PATH ...``), or silence it."""
+    access_log.propagate = False
+    if not enabled:
+        access_log.setLevel(logging.WARNING)
+        return
+    access_log.setLevel(logging.INFO)
+    if not access_log.handlers:
+        handler = logging.StreamHandler()  # stderr
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        access_log.addHandler(handler)
+
+
 def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info",
-          on_listening: Callable[[str], None] | None = None) -> None:
+          on_listening: Callable[[str], None] | None = None,
+          default_max_tokens: int | None = None, access_log: bool = True) -> None:
     """Serve ``model`` over HTTP until interrupted (blocks; Ctrl-C stops it).
 
     Args:
@@ -382,6 +450,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         log_level: uvicorn's log level ("critical", "error", "warning", "info", "debug").
         on_listening: called with the base URL (``http://host:port/v1``) once the port
             is bound, before the first request is accepted (the CLI prints it).
+        default_max_tokens: cap for requests without ``max_tokens`` (None: the context).
+        access_log: print one line per request on stderr (see the module policy).
 
     Raises:
         ValueError: a port out of range, or an empty ``model_name``/``api_key``.
@@ -392,7 +462,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     name = model_name or default_model_name(model)
-    app = create_app(model, name, api_key)
+    app = create_app(model, name, api_key, default_max_tokens)
+    _setup_access_log(access_log)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use "
                     "the model", host)

@@ -212,3 +212,104 @@ def test_convert_perplexity_bench_quiet_json_and_progress(stories_dir, tmp_path)
     r = run_cli(*bench)
     assert r.returncode == 0 and "bench" in r.stderr and "2/2" in r.stderr
     assert re.search(r"^decode_tok_s +[\d.]+$", r.stdout, re.M), r.stdout
+
+
+# ---- the chat prompt in a terminal (a pty): /help, /quit, Ctrl-D ------------------------------
+def _pty_chat(stories_dir, keys: list[str], timeout=120) -> tuple[bytes, int]:
+    """Run ``edgeinfer chat`` on a pty; send each key string after the next ">>> " prompt.
+
+    Returns (everything the terminal showed, exit status)."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI with the pty as its terminal
+        os.chdir(os.path.dirname(os.path.dirname(__file__)))
+        os.execv(sys.executable, [sys.executable, "-m", "cli", "chat", "-m", str(stories_dir),
+                                  "--backend", "reference", "--temperature", "0", "-n", "8"])
+    shown, deadline, sent = b"", time.monotonic() + timeout, 0
+    try:
+        while True:
+            if shown.count(b">>> ") > sent and sent < len(keys):
+                os.write(fd, keys[sent].encode())
+                sent += 1
+            assert time.monotonic() < deadline, shown
+            ready, _, _ = select.select([fd], [], [], 1)
+            if ready:
+                try:
+                    data = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                shown += data
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return shown, os.waitstatus_to_exitcode(status)
+
+
+def test_chat_help_lists_quit_and_ctrl_d_ends_on_a_fresh_line(stories_dir):
+    shown, code = _pty_chat(stories_dir, ["/help\n", "\x04"])
+    assert code == 0, shown
+    assert b"/exit, /quit     quit (or Ctrl-D)" in shown, shown
+    # Ctrl-D at the prompt: a newline after ">>> ", so the shell prompt starts a new line
+    assert shown.endswith(b">>> \r\n"), shown[-80:]
+
+
+def test_chat_quit_command_exits(stories_dir):
+    shown, code = _pty_chat(stories_dir, ["/quit\n"])
+    assert code == 0 and shown.count(b">>> ") == 1, shown
+    r = run_cli("chat", "-m", str(stories_dir), "--backend", "reference", input="/quit\n")
+    assert r.returncode == 0 and r.stdout == "", r.stdout
+
+
+def _read_some(p, n: int, timeout: float = 300) -> bytes:
+    """At least ``n`` more bytes of ``p``'s stdout (a pipe)."""
+    got = b""
+    while len(got) < n:
+        ready, _, _ = select.select([p.stdout], [], [], timeout)
+        assert ready, f"no output for {timeout} s: {got!r}"
+        chunk = os.read(p.stdout.fileno(), 256)
+        assert chunk, f"stdout closed: {got!r}"
+        got += chunk
+    return got
+
+
+def test_chat_after_ctrl_c_reuses_the_partial_answer(smollm2_gguf):
+    """SmolLM2 (a chat template): the turn after an interrupted answer reuses the KV of the
+    whole partial answer, exactly as generated, not only the prompt before it. (Where
+    the sampled ids are not the tokenizer's spelling of the text, see
+    tests/test_conversation.py::test_a_reply_sampled_off_the_canonical_tokenization_...)"""
+    p = subprocess.Popen([sys.executable, "-m", "cli", "chat", "-m", str(smollm2_gguf),
+                          "--backend", "cpu", "--seed", "1", "-n", "400", "--ctx", "1024"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        out = b""
+        for message in ("Explain quantum computing in simple terms.", "Go on."):
+            p.stdin.write(message.encode() + b"\n")
+            p.stdin.flush()
+            out += _read_some(p, 60)  # a few tokens of the answer, then Ctrl-C
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            p.stdin.write(b"/stats\n")
+            p.stdin.flush()
+            while not re.search(rb"peak RSS \d+ MiB\]\n$", out):
+                out += _read_some(p, 1)
+        p.stdin.write(b"/exit\n")
+        p.stdin.flush()
+        rest, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = (out + rest).decode()
+    assert p.returncode == 0, err
+    stats = re.findall(r"\[interrupted after (\d+) tokens\]\n\[(\d+) prompt tokens \((\d+) "
+                       r"reused\), (\d+) generated", text)
+    assert len(stats) == 2 and text.count("[stopped]") == 2, text
+    (n1, p1, r1, g1), (n2, p2, r2, g2) = [tuple(map(int, s)) for s in stats]
+    assert r1 == 0 and n1 == g1 >= 2 and n2 == g2 >= 1
+    # the second prompt holds the first one, the partial answer and "Go on.": all of the
+    # first prompt and of the partial answer (g1 tokens) come from the cache
+    assert r2 == p1 + g1, text
+    assert p2 > r2

@@ -88,3 +88,59 @@ def test_with_the_real_smollm2_template_when_available():
     msgs = conv(4)
     kept, dropped = fit_messages(msgs, ids, len(ids(msgs)) - 50)
     assert kept[0] == SYS and dropped == 2
+
+
+# ---- reuse of the previous reply's KV when it was sampled off the canonical tokenization ----
+from edgeinfer.conversation import reuse_cached_ids
+
+PIECES = {1: "<s>", 2: "Q", 3: "LT", 4: "QL", 5: "T", 6: "<end>", 7: " is", 8: "\n", 9: "Go",
+          10: " on", 11: "A", 12: "\ufffd"}
+
+
+def pieces(ids):
+    return "".join(PIECES[i] for i in ids)
+
+
+def test_reuse_cached_ids_splices_the_sampled_spelling():
+    cached = [1, 9, 8, 2, 3, 7]            # prompt "<s>Go\n", then sampled "Q"+"LT"+" is"
+    rendered = [1, 9, 8, 4, 5, 7, 6, 8, 9, 10]  # re-tokenized "QL"+"T"+" is", then more
+    out = reuse_cached_ids(rendered, cached, pieces)
+    assert out == [1, 9, 8, 2, 3, 7, 6, 8, 9, 10]
+    assert pieces(out) == pieces(rendered)
+
+
+def test_reuse_cached_ids_leaves_a_different_text_alone():
+    assert reuse_cached_ids([1, 9, 4, 11, 6], [1, 9, 2, 3], pieces) == [1, 9, 4, 11, 6]
+    assert reuse_cached_ids([9, 8], [1, 9], pieces) == [9, 8]   # nothing shared
+    assert reuse_cached_ids([1, 9, 8], [1, 9, 8, 2], pieces) == [1, 9, 8]  # already a prefix
+
+
+def test_a_reply_sampled_off_the_canonical_tokenization_is_reused_whole(smollm2_gguf):
+    """SmolLM2 (INT4) sampled "(Q" "LT" for "(QLT)" where the tokenizer writes "QL" "T":
+    the next turn must reuse the whole reply, not stop at "Q" and recompute the rest."""
+    from edgeinfer import api
+    from edgeinfer.readers import read_model
+
+    model = api.Model(read_model(str(smollm2_gguf)), backend="reference", n_ctx=256)
+    tok = model.tokenizer
+    msgs = [{"role": "user", "content": "Explain quantum computing in simple terms."}]
+    prompt = model.encode_chat(msgs)
+    reply_ids = tok.encode("It is Quantum Leap Technology (Q") + tok.encode("LT). It works")
+    reply = tok.decode(reply_ids)
+    assert reply == "It is Quantum Leap Technology (QLT). It works"
+    assert tok.encode(reply) != reply_ids  # the canonical spelling differs
+    model.engine.reset()
+    model.engine.prefill(prompt + reply_ids)  # what the cache holds after that answer
+    convo = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+    rendered = model.encode_chat(convo)
+    assert rendered[:len(prompt)] == prompt and rendered[len(prompt):][:len(reply_ids)] != reply_ids
+    from edgeinfer.engine import common_prefix_len
+
+    # comparing ids alone (before the splice) stops at "(": "Q" is not "QL"
+    by_ids = common_prefix_len(prompt + reply_ids, rendered)
+    assert by_ids == len(prompt) + len(tok.encode("It is Quantum Leap Technology (Q")) - 1
+    final = list(model.chat_stream(convo, max_tokens=1))[-1]
+    assert final.stats.reused_tokens == len(prompt) + len(reply_ids)  # the whole reply
+    # computed afresh: only the template's end of the reply and the new user message
+    tail = len(rendered) - len(prompt) - len(tok.encode(reply))
+    assert final.stats.prompt_tokens - final.stats.reused_tokens == tail

@@ -8,6 +8,8 @@ of one user message falls back to the message text verbatim (no chat template).
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -334,3 +336,75 @@ def test_omitted_temperature_uses_the_models_generation_config(stories_dir):
         r = post(s, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5,
                                         "seed": 5}, key=None)
         assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith(GOLDEN_START)
+
+
+# ---- created, the per-request log line, the server's default max_tokens -------------------------
+def test_created_is_stamped_when_the_request_arrives(server, model):
+    """The model is held busy for 2 s: ``created`` must still be the arrival second."""
+    for stream in (False, True):
+        model._lock.acquire()
+        released = threading.Timer(2.0, model._lock.release)
+        t_sent = time.time()
+        released.start()
+        try:
+            body = {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                    "stream": stream}
+            r = post(server, "/v1/completions", body)
+        finally:
+            released.join()
+        t_done = time.time()
+        assert r.status_code == 200, r.text
+        first = json.loads(r.text.split("\n")[0][len("data: "):]) if stream else r.json()
+        assert t_done - t_sent >= 2.0
+        # int(arrival) <= t_sent + 0.5; a finish-time stamp would be >= int(t_sent + 2)
+        assert t_sent - 1 < first["created"] <= t_sent + 0.5, (stream, t_sent, first["created"])
+
+
+def test_one_log_line_per_request(server, caplog):
+    with caplog.at_level(logging.INFO, logger="edgeinfer.server.access"):
+        r = post(server, "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 7,
+                                             "temperature": 0})
+        assert r.status_code == 200
+        s = post(server, "/v1/chat/completions", {"model": NAME, "max_tokens": 4, "stream": True,
+                                                  "messages": [{"role": "user", "content": PROMPT}]})
+        assert s.status_code == 200 and s.text.endswith("data: [DONE]\n\n")
+        bad = post(server, "/v1/completions", {"model": "nope", "prompt": PROMPT})
+        assert bad.status_code == 404
+        patterns = [r"POST /v1/completions 200 5\+7 tokens \d+\.\d\d s",
+                    r"POST /v1/chat/completions 200 5\+4 tokens \d+\.\d\d s",
+                    r"POST /v1/completions 404 - tokens \d+\.\d\d s"]
+
+        def lines():
+            return [x.getMessage() for x in caplog.records if x.name == "edgeinfer.server.access"]
+
+        # a streamed answer is logged when its response ends, just after the client saw it
+        assert wait_for(lambda: all(any(re.fullmatch(p, ln) for ln in lines())
+                                    for p in patterns)), lines()
+
+
+def test_serve_max_tokens_caps_requests_without_max_tokens(model):
+    with ServerThread(create_app(model, NAME, default_max_tokens=6)) as s:
+        r = post(s, "/v1/completions", {"prompt": PROMPT, "temperature": 0}, key=None)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = post(s, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 9},
+                 key=None)
+        assert r.json()["usage"]["completion_tokens"] == 9  # the request's own wins
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        create_app(model, NAME, default_max_tokens=0)
+
+
+def test_serve_help_documents_max_tokens_and_quiet():
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "cli", "serve", "--help"], check=False,
+                       capture_output=True,
+                       text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "--max-tokens N, -n N most tokens to generate for a request that sets no max_tokens " \
+           "(default: unlimited, i.e. up to the end of the context" in text, text
+    assert "--quiet, -q no log line per request" in text
