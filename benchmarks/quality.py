@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/quality.py [--model smollm2-135m-instruct] [--chunks 40]
-        [--methods rtn,awq,gptq] [--n-calib 32] [--calib-len 512] [--out DIR]
+        [--methods rtn,awq,gptq] [--n-calib 32] [--calib-len 512] [--act-order] [--out DIR]
+    python benchmarks/quality.py --model M --llama [--llama-no-f32] --chunks N --out DIR
 
 For each row (baseline = the dequantized GGUF in float32 through the reference backend,
 then each converted ``.eif``) prints perplexity with llama.cpp's method (512-token chunks,
@@ -12,6 +13,13 @@ the linear+embedding tensors, file size, convert time and the converter's peak R
 conversion runs in its own subprocess so its peak RSS is its own. Calibration: WikiText-2
 ``valid.txt``; evaluation: ``test.txt``. Anchors (MODELS.md): baseline 18.979, llama.cpp
 Q4_0 +18.3% at 4.5 bpw.
+
+``--llama`` instead gives llama.cpp's rows on the same weights, text and chunking: the GGUF
+dequantized to an F32 GGUF (the baseline, scored by llama.cpp as a cross-check of ours),
+then ``llama_model_quantize`` to Q4_0 from that F32 file (its default mix: Q4_0 linears at
+4.5 bpw; the tied embedding / output head falls back from Q6_K to Q8_0, 8.5 bpw, because
+the row width is not a multiple of 256), scored with llama-cpp-python (``logits_all``) on
+our token ids (BOS written over each chunk's first token, second half scored).
 
 Reading the GGUF uses ``edgeinfer.readers.read_model`` when it exists; otherwise a small
 lazy fallback below (gguf dequantize per tensor + llama.cpp Q/K row un-permutation; the
@@ -45,8 +53,8 @@ def _tokenizer_json(gguf_path: str) -> str:
 
 def _fallback_read(path: str):
     import gguf
-
     from edgeinfer.models.config import ModelConfig
+
     from edgeinfer.source import LazyTensors, ModelSource
 
     r = gguf.GGUFReader(path)
@@ -115,13 +123,129 @@ def read(path: str):
         return _fallback_read(path)
 
 
+# ---------------------------------------------------------------- llama.cpp rows
+def f32_gguf(src: str, dst: str) -> str:
+    """Write ``src`` (a GGUF) with every tensor dequantized to F32 (metadata copied as is,
+    tensor layout unchanged): the full-precision baseline as llama.cpp sees it."""
+    import gguf
+
+    if os.path.exists(dst):
+        return dst
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst + ".tmp", arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt,
+                        sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, a.reshape([int(x) for x in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(dst + ".tmp", dst)
+    return dst
+
+
+def llama_quantize(src_f32: str, dst: str, ftype: str = "Q4_0") -> str:
+    """llama.cpp's own quantizer (``llama_model_quantize``, default mix for ``ftype``)."""
+    import llama_cpp
+
+    if not os.path.exists(dst):
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        p.nthread = 2
+        rc = llama_cpp.llama_model_quantize(src_f32.encode(), dst.encode(), p)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src_f32} -> {ftype}) failed: {rc}")
+    return dst
+
+
+def gguf_bpw(path: str) -> dict:
+    """Bits per weight of a GGUF's tensors by kind and type, as llama.cpp stores them."""
+    import gguf
+
+    by: dict = {}
+    for t in gguf.GGUFReader(path).tensors:
+        kind = ("embedding/head" if t.name in ("token_embd.weight", "output.weight") else
+                "linear" if t.name.endswith(".weight") and len(t.shape) == 2 else "other")
+        acc = by.setdefault(kind, [0, 0, set()])
+        acc[0] += int(t.n_bytes)
+        acc[1] += int(t.n_elements)
+        acc[2].add(t.tensor_type.name)
+    return {k: {"bpw": round(8 * b / n, 3), "types": sorted(ty)} for k, (b, n, ty) in by.items()}
+
+
+def llama_ppl(gguf_path: str, token_src: str, chunks: int) -> dict:
+    """llama.cpp perplexity of a GGUF on WikiText-2 test with *our* token ids and the same
+    chunking as :func:`edgeinfer.perplexity.perplexity` (512-token chunks, BOS written over
+    each chunk's first token when the model adds BOS, second half scored)."""
+    import math
+
+    import llama_cpp
+    from tokenizers import Tokenizer
+
+    src = read(token_src)
+    tok = Tokenizer.from_str(src.tokenizer_json)
+    text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
+    toks = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
+    bos = src.config.bos_token_id if src.add_bos_token else None
+    if bos is not None:
+        toks = np.concatenate([[bos], toks])
+    n_ctx, first = 512, 256
+    llm = llama_cpp.Llama(gguf_path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2,
+                          verbose=False)
+    nll, count, t = 0.0, 0, time.perf_counter()
+    n = min(chunks, len(toks) // n_ctx)
+    for i in range(n):
+        chunk = toks[i * n_ctx:(i + 1) * n_ctx].copy()
+        if bos is not None:
+            chunk[0] = bos
+        llm.reset()
+        llm.eval(chunk.tolist())
+        lg = np.asarray(llm.scores[first:n_ctx - 1], np.float64)
+        tgt = chunk[first + 1:n_ctx]
+        mx = lg.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(lg - mx).sum(axis=1)) + mx[:, 0]
+        nll += float(np.sum(lse - lg[np.arange(len(tgt)), tgt]))
+        count += len(tgt)
+        print(f"[{i + 1}] {math.exp(nll / count):.4f}", file=sys.stderr, flush=True)
+    return {"ppl": math.exp(nll / count), "nll": nll / count, "n_tokens": count, "chunks": n,
+            "seconds": round(time.perf_counter() - t, 1)}
+
+
+def llama_rows(model: str, chunks: int, out_dir: str, ftypes=("Q4_0",),
+               score_f32: bool = True) -> list[dict]:
+    """llama.cpp rows: its F32 baseline (scored unless ``score_f32`` is false) and each
+    ``ftype`` quantized from that F32 file."""
+    base = f32_gguf(model, os.path.join(out_dir, os.path.basename(model) + ".F32.gguf"))
+    rows = [{"row": "llama.cpp F32 (same baseline)", "bpw_gguf": gguf_bpw(base),
+             **(llama_ppl(base, model, chunks) if score_f32 else {"ppl": None})}]
+    print(json.dumps(rows[-1]), flush=True)
+    for ft in ftypes:
+        t = time.perf_counter()
+        q = llama_quantize(base, os.path.join(out_dir, os.path.basename(model) + f".{ft}.gguf"))
+        row = {"row": f"llama.cpp {ft}", "quantize_seconds": round(time.perf_counter() - t, 1),
+               **llama_ppl(q, model, chunks), "bpw_gguf": gguf_bpw(q),
+               "file_size": os.path.getsize(q)}
+        if rows[0]["ppl"]:
+            row["dppl_pct"] = round(100 * (row["ppl"] / rows[0]["ppl"] - 1), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------- measurements
 def ppl_of(path: str, chunks: int) -> dict:
     """Perplexity of a model file on WikiText-2 test through the reference backend."""
-    from tokenizers import Tokenizer
-
     from edgeinfer.backends.reference import ReferenceBackend
     from edgeinfer.models.transformer import Transformer
+    from tokenizers import Tokenizer
+
     from edgeinfer.perplexity import perplexity
 
     src = read(path)
@@ -139,8 +263,9 @@ def ppl_of(path: str, chunks: int) -> dict:
 
 def convert_one(model: str, method: str, out: str, n_calib: int, calib_len: int,
                 act_order: bool) -> dict:
-    from edgeinfer.container import describe_eif
     from edgeinfer.quant.convert import convert
+
+    from edgeinfer.container import describe_eif
 
     src = read(model)
     rep = convert(src, out, method=method, group_size=128,
@@ -149,7 +274,7 @@ def convert_one(model: str, method: str, out: str, n_calib: int, calib_len: int,
     d = describe_eif(out)
     rep["bpw_linear"] = {k: round(v, 3) for k, v in d["bits_per_weight_by_kind"].items()}
     rep["bpw_all_weights"] = round(d["bits_per_weight"], 3)
-    rep.pop("awq_alpha", None)
+    rep["awq_alpha"] = rep.get("awq_alpha")  # per layer and group: kept for diagnosis
     return rep
 
 
@@ -165,6 +290,10 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--_convert", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_ppl", help=argparse.SUPPRESS)
+    ap.add_argument("--llama", action="store_true",
+                    help="only the llama.cpp rows: F32 baseline and Q4_0 from it")
+    ap.add_argument("--llama-no-f32", action="store_true",
+                    help="with --llama: do not score the F32 file (Q4_0 only)")
     args = ap.parse_args()
     model = args.model
     if not os.path.exists(model):
@@ -178,6 +307,9 @@ def main() -> None:
         print(json.dumps(ppl_of(args._ppl, args.chunks)))
         return
     os.makedirs(args.out, exist_ok=True)
+    if args.llama:
+        llama_rows(model, args.chunks, args.out, score_f32=not args.llama_no_f32)
+        return
 
     def child(*extra) -> dict:
         cmd = [sys.executable, __file__, "--model", model, "--chunks", str(args.chunks),

@@ -17,7 +17,14 @@ Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
   next layer's input, so later layers calibrate on the errors they will really see.
   Memory: one layer's weights + the activations ``[n_seq, seq_len, hidden]`` + capture
   statistics. Inside a layer the inputs of o_proj / down_proj come from the float layer
-  (not from quantized q/k/v), a documented simplification.
+  (not from quantized q/k/v), a documented simplification. The layer forwards run on
+  :class:`CalibrationBackend` (the reference ops, attention by BLAS matmuls). The lm_head
+  is never run during calibration.
+
+Cost (profiled with py-spy): with the searches vectorized (see :mod:`.awq`, :mod:`.gptq`)
+the two forwards per layer dominate; ``n_seq x seq_len`` sets that cost linearly. The
+benchmarks use 16 x 256 tokens (AWQ's paper, "data efficiency" (Fig. 8): 16 sequences
+suffice for AWQ; GPTQ's paper uses 128 x 2048 tokens, more than these machines afford).
 """
 from __future__ import annotations
 
@@ -30,11 +37,16 @@ from ..backends.quantized import QuantizedTensor
 from ..backends.reference import ReferenceBackend
 from ..errors import ModelFormatError
 from ..models.rope import rope_tables
-from ..models.transformer import LINEAR_KEYS, decoder_layer, layer_tensor_names, upload_layer
+from ..models.transformer import (
+    LINEAR_KEYS,
+    decoder_layer,
+    layer_tensor_names,
+    upload_layer,
+)
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
-from .rtn import quantize_rtn
+from .rtn import effective_group, quantize_rtn
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +166,37 @@ def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:
     return out
 
 
+class CalibrationBackend(ReferenceBackend):
+    """The reference backend with attention over a whole fresh sequence (``start_pos == 0``,
+    the calibration case) done by batched matmuls on the current K/V directly (the same
+    products and softmax as the reference einsum, BLAS-fast; nothing is kept in the cache).
+    Any other call is the reference's."""
+
+    def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
+        if start_pos != 0:
+            return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
+        t, hq, hd = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        qg = np.ascontiguousarray(q.reshape(t, hkv, g, hd).transpose(1, 2, 0, 3))
+        kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # [Hkv, hd, T]
+        scores = np.matmul(qg.reshape(hkv, g * t, hd), kt).reshape(hkv, g, t, t)
+        scores *= np.float32(scale)
+        if softcap:
+            scores = np.tanh(scores / softcap) * softcap
+        pos = np.arange(t)
+        visible = pos[None, :] <= pos[:, None]
+        if window is not None:
+            visible &= pos[None, :] > pos[:, None] - window
+        scores[:, :, ~visible] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out = np.matmul(p.reshape(hkv, g * t, t), np.ascontiguousarray(v.transpose(1, 0, 2)))
+        return np.ascontiguousarray(out.reshape(hkv, g, t, hd).transpose(2, 0, 1, 3)
+                                    ).reshape(t, hq, hd).astype(np.float32)
+
+
 def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope, stats=None) -> np.ndarray:
     """Run layer ``i`` on every calibration sequence x [N, L, D]; feed captures to ``stats``."""
     names = layer_tensor_names(i)
@@ -197,7 +240,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     cfg = source.config
     out: dict[str, Any] = {}
     info: dict = {"awq_alpha": {}}
-    be = ReferenceBackend()
+    be = CalibrationBackend()
     x = None
     if method != "rtn":
         emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
@@ -209,7 +252,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
         names = layer_tensor_names(i)
         lw = load_layer(source, i)
         if method == "rtn":
-            q = {k: (quantize_rtn(v, bits, group_size, symmetric, name=names[k])
+            q = {k: (quantize_rtn(v, bits, effective_group(v.shape[1], group_size), symmetric,
+                                  name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         else:
             theta = cfg.layer_rope_theta(i)
@@ -240,7 +284,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                 q = dict(lw)
                 for cap_key, members in SHARED_INPUT.items():
                     w = np.concatenate([lw[m] for m in members], axis=0)
-                    qt = gptq_quantize(w, hs[cap_key].H, bits, group_size, symmetric,
+                    qt = gptq_quantize(w, hs[cap_key].H, bits,
+                                       effective_group(w.shape[1], group_size), symmetric,
                                        act_order=act_order, name=names[members[0]])
                     for m, part in zip(members, split_rows(qt, [lw[m].shape[0] for m in members])):
                         q[m] = part

@@ -1,7 +1,9 @@
 """``convert``: a float checkpoint (HF folder, GGUF, ModelSource) -> one ``.eif`` file.
 
 What is stored (see :mod:`edgeinfer.container`):
-  * every decoder linear: INT4 (``method`` rtn / awq / gptq), group ``group_size``;
+  * every decoder linear: INT4 (``method`` rtn / awq / gptq), group ``group_size``, or, for
+    an input width it does not divide, the largest multiple of 32 below it that does
+    (:func:`~edgeinfer.quant.rtn.effective_group`; recorded per tensor);
   * ``model.embed_tokens.weight``: INT8 per row (``embed_bits=8``, default), or float16 /
     float32 (``embed_bits`` 16 / 32);
   * ``lm_head.weight``: tied (``tie_word_embeddings``) -> not stored, the runtime reuses the
@@ -92,8 +94,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         out_path: destination file (written to a temp file, then renamed).
         method: "awq" (default), "gptq" or "rtn" (no calibration).
         bits: linear weight bits (4).
-        group_size: 32 / 64 / 128 (default) or -1 per-channel; non-divisible input widths
-            are zero-padded (see :mod:`.rtn`).
+        group_size: 32 / 64 / 128 (default) or -1 per-channel; an input width it does not
+            divide gets the largest dividing multiple of 32 below it, else is zero-padded
+            (see :mod:`.rtn`).
         symmetric: INT4 without zero points.
         embed_bits: 8 (INT8 per row, default), 16 or 32 for the embedding and an untied head.
         calib_path: plain-text calibration file; None -> data-free self-generated text.
@@ -162,6 +165,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         "source": src_path, "source_format": source.format,
         "source_sha256": _sha256(src_path) if os.path.exists(src_path) else None,
         "method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
+        "group_rule": "requested size, else the largest multiple of 32 below it dividing "
+                      "in_features, else zero-padded; per tensor in 'quantization'",
         "embed_bits": embed_bits, "act_order": act_order, "seed": seed,
         "calibration": calib_desc,
     }

@@ -9,7 +9,8 @@ implementation's details (``gptq.py`` of IST-DASLab/gptq and AutoGPTQ):
   and a zero weight;
 * dampening ``λ = percdamp · mean(diag H)`` added to the diagonal (1% by default; raised
   ×10 and retried if the Cholesky factorization still fails);
-* ``U = chol(H⁻¹)ᵀ`` (upper), columns processed in blocks of ``blocksize`` (128) with the
+* ``U = chol(H⁻¹)ᵀ`` (upper; computed as a reversed Cholesky's triangular inverse, see
+  :func:`_inverse_cholesky_upper`), columns processed in blocks of ``blocksize`` (128) with the
   lazy batch update of §4 ("Lazy Batch-Updates") and the per-column update
   ``W[:, j:] -= (w_j - q_j) / U_jj · U_j,j:``;
 * group parameters (scale/zero over ``group_size`` columns) computed when the first column
@@ -30,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.quantized import QuantizedTensor
-from .rtn import (assemble, group_params, quantize_codes, resolve_group, storage_scales)
+from .rtn import assemble, group_params, quantize_codes, resolve_group, storage_scales
 
 
 class Hessian:
@@ -45,27 +46,51 @@ class Hessian:
 
     def add(self, x: np.ndarray) -> None:
         """Accumulate inputs ``x [..., in]`` (any float dtype)."""
-        x = np.asarray(x, np.float64).reshape(-1, self.H.shape[0])
+        x = np.asarray(x, np.float32).reshape(-1, self.H.shape[0])
         m = x.shape[0]
         if m == 0:
             return
         self.H *= self.n / (self.n + m)
         self.n += m
-        self.H += (2.0 / self.n) * (x.T @ x)
+        # the batch product in float32 (as the reference implementation), summed in float64
+        self.H += (2.0 / self.n) * (x.T @ x).astype(np.float64)
+
+
+def _tril_inverse(L: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular matrix by blocked recursion (GEMMs; ~n³/3 flops):
+    ``[[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹ B A⁻¹, C⁻¹]]``."""
+    n = L.shape[0]
+    if n <= 128:
+        return np.linalg.inv(L)
+    h = n // 2
+    ai, ci = _tril_inverse(L[:h, :h]), _tril_inverse(L[h:, h:])
+    out = np.zeros_like(L)
+    out[:h, :h], out[h:, h:] = ai, ci
+    out[h:, :h] = -(ci @ (L[h:, :h] @ ai))
+    return out
 
 
 def _inverse_cholesky_upper(H: np.ndarray, percdamp: float) -> np.ndarray:
-    """Upper Cholesky factor of (H + λI)⁻¹, retrying with larger dampening if needed."""
+    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``Uᵀ U = H⁻¹``), retrying with larger
+    dampening if needed.
+
+    Without forming ``H⁻¹``: with ``P`` the reversal permutation and ``P H P = M Mᵀ``
+    (Cholesky), ``H⁻¹ = (P M⁻ᵀ P)(P M⁻¹ P)`` and ``P M⁻¹ P`` is upper triangular with a
+    positive diagonal, so ``U = P M⁻¹ P``: one Cholesky and one triangular inverse
+    (~2n³/3 flops instead of ~3n³ for inverse-then-Cholesky), in float32 as the reference
+    implementation (torch ``cholesky_inverse`` / ``cholesky`` on float32).
+    """
     damp = percdamp * float(np.mean(np.diag(H)))
     damp = damp if damp > 0 else 1e-8
     n = H.shape[0]
     for _ in range(6):
         try:
-            Hd = H + damp * np.eye(n)
-            L = np.linalg.cholesky(Hd)
-            Linv = np.linalg.solve(L, np.eye(n))  # L⁻¹
-            Hinv = Linv.T @ Linv  # (L Lᵀ)⁻¹
-            return np.linalg.cholesky(Hinv).T
+            Hd = (H + damp * np.eye(n)).astype(np.float32)  # float32, as the reference
+            M = np.linalg.cholesky(Hd[::-1, ::-1])
+            U = _tril_inverse(M)[::-1, ::-1].astype(np.float64)
+            if not np.isfinite(U).all():
+                raise np.linalg.LinAlgError("non-finite inverse factor")
+            return np.ascontiguousarray(U)
         except np.linalg.LinAlgError:
             damp *= 10.0
     raise np.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with dampening")

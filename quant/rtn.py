@@ -8,6 +8,12 @@ Rules (all math in float64, deterministic):
 
 * **Groups** are ``group_size`` consecutive input columns; ``group_size=-1`` means one
   group per row (per-channel).
+* **Group choice for a model (``effective_group``, used by the converter).** When a
+  layer's ``in_features`` is not a multiple of the requested group size, the converter uses
+  the largest group that is a multiple of 32 (the CPU kernels' integer-dot block), at most
+  the request, and divides ``in_features`` (SmolLM2's 576-wide rows at a requested 128 get
+  groups of 96: 4.21 bits per weight instead of 4.63 with padding to 640). The group is
+  recorded per tensor in the file. Only when no such divisor exists is the row padded.
 * **Padding (case C11).** When ``in_features % group_size != 0`` the input dimension is
   zero-padded up to the next multiple of the group (the padded columns are zero weights);
   their codes equal the group's zero point, so they dequantize to exactly 0 and the layer
@@ -30,7 +36,12 @@ import logging
 
 import numpy as np
 
-from ..backends.quantized import FP16_MAX, QuantizedTensor, SYMMETRIC_ZERO_4BIT, pack_nibbles
+from ..backends.quantized import (
+    FP16_MAX,
+    SYMMETRIC_ZERO_4BIT,
+    QuantizedTensor,
+    pack_nibbles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +65,21 @@ def resolve_group(in_features: int, group_size: int, bits: int = 4) -> tuple[int
     if bits == 4 and group_size % 2:
         raise ValueError(f"4-bit group_size must be even (two codes per byte), got {group_size}")
     return group_size, -(-in_features // group_size) * group_size
+
+
+def effective_group(in_features: int, group_size: int) -> int:
+    """The group size the converter uses for rows of ``in_features`` (module docstring).
+
+    ``group_size`` itself when it divides ``in_features`` (or is -1, or below 32); else the
+    largest multiple of 32 that is ``<= group_size`` and divides ``in_features``; else
+    ``group_size`` (the row is then zero-padded, case C11).
+    """
+    if group_size <= 32 or in_features % group_size == 0:
+        return group_size
+    for g in range(group_size // 32 * 32, 0, -32):
+        if in_features % g == 0:
+            return g
+    return group_size
 
 
 def pad_columns(w: np.ndarray, in_padded: int) -> np.ndarray:

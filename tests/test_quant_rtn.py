@@ -6,7 +6,6 @@ import logging
 
 import numpy as np
 import pytest
-
 from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles, unpack_nibbles
 from edgeinfer.quant.rtn import SCALE_EPS, fake_quantize, quantize_rtn
 
@@ -141,3 +140,19 @@ def test_rejects_bad_input():
         quantize_rtn(np.ones((2, 8), np.float32), 4, 3)  # odd group for 4 bits
     with pytest.raises(ValueError):
         quantize_rtn(np.ones(8, np.float32))
+
+
+def test_effective_group_rule():
+    """Converter rule: the requested group if it divides the row, else the largest dividing
+    multiple of 32 below it (recorded per tensor), else the request with padding (C11)."""
+    from edgeinfer.quant.rtn import effective_group
+
+    assert effective_group(576, 128) == 96  # SmolLM2 hidden: 4.21 bpw instead of 4.63 padded
+    assert effective_group(1536, 128) == 128 and effective_group(896, 128) == 128
+    assert effective_group(4864, 128) == 128 and effective_group(640, 128) == 128
+    assert effective_group(576, 64) == 64 and effective_group(192, 128) == 96
+    assert effective_group(172, 32) == 32 and effective_group(4304, 128) == 128  # padded
+    assert effective_group(100, -1) == -1
+    w = np.random.default_rng(0).standard_normal((4, 576)).astype(np.float32)
+    qt = quantize_rtn(w, 4, effective_group(576, 128))
+    assert qt.in_padded == 576 and qt.group_size == 96 and qt.bits_per_weight < 4.5
