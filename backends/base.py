@@ -75,6 +75,47 @@ class Backend(ABC):
         gate/up). Backends override it to read x once and dispatch once."""
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
+    # ---- fused halves of a pre-norm decoder block (defaults compose the ops above) ----
+    def attention_input(self, x: Any, norm_w: Any, eps: float, unit_offset: bool,
+                        ws: list[Any], biases: list[Any | None], cos: Any, sin: Any,
+                        positions: np.ndarray, heads: tuple[int, int, int]
+                        ) -> tuple[Any, Any, Any]:
+        """Everything before attention: ``h = rmsnorm(x)``, q/k/v projections, RoPE.
+
+        Args:
+            x: residual stream [T, D].
+            norm_w: input-norm weight [D] (``unit_offset``: scale by 1 + w).
+            ws, biases: [Wq, Wk, Wv] ([H * hd, D] each) and their biases (or None).
+            cos, sin: RoPE tables [max_pos, r/2]; positions: int32 [T] on the host.
+            heads: (Hq, Hkv, hd).
+
+        Returns:
+            (q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]), q and k rotated. Backends may
+            return views of scratch storage, valid until the next call of this op.
+        """
+        t = positions.shape[0]
+        hq, hkv, hd = heads
+        h = self.rmsnorm(x, norm_w, eps, unit_offset)
+        q, k, v = self.linear_many(h, ws, biases)
+        q = self.rope(self.reshape(q, (t, hq, hd)), cos, sin, positions)
+        k = self.rope(self.reshape(k, (t, hkv, hd)), cos, sin, positions)
+        return q, k, self.reshape(v, (t, hkv, hd))
+
+    def attention_output_mlp(self, x: Any, a: Any, wo: Any, norm_w: Any, eps: float,
+                             unit_offset: bool, w_gate: Any, w_up: Any, w_down: Any,
+                             act: str = "silu") -> Any:
+        """Everything after attention: ``x1 = x + a @ Wo.T``, ``h = rmsnorm(x1)``, returns
+        ``x1 + glu(h @ Wg.T, h @ Wu.T, act) @ Wd.T``.
+
+        Shapes: x [T, D], a [T, Hq * hd], Wo [D, Hq * hd], Wg/Wu [F, D], Wd [D, F] ->
+        [T, D]. ``x`` is not modified; backends may return scratch storage, valid until
+        the next call of this op (feed it to the next layer, do not keep it).
+        """
+        x = self.add(x, self.linear(a, wo))
+        h = self.rmsnorm(x, norm_w, eps, unit_offset)
+        gate, up = self.linear_many(h, [w_gate, w_up], [None, None])
+        return self.add(x, self.linear(self.glu(gate, up, act), w_down))
+
     @abstractmethod
     def rope(self, x: Any, cos: Any, sin: Any, positions: np.ndarray) -> Any:
         """Rotate x[T, H, hd] by position (NeoX / rotate-half pairing (i, i + r/2)).

@@ -2,82 +2,19 @@
 
 Storage is preallocated once for ``max_tokens`` positions (or a ring, below); the numpy
 ``write``/``read`` here allocate temporaries (they are the reference path), fast
-kernels write and read the raw arrays in place (layout table below). ``length`` is the number of positions held; the engine compares
-token ids and calls :meth:`HostKVCache.trim` to reuse a common prefix (and reads
-``length`` back afterwards: a cache may keep *less* than asked, see ``trim``).
+kernels write and read the raw arrays in place (layout table below). ``length`` is the
+number of positions held; the engine compares token ids and calls
+:meth:`HostKVCache.trim` to reuse a common prefix (and reads ``length`` back
+afterwards: a cache may keep *less* than asked, see ``trim``).
 
 ``HostKVCache(..., dtype=...)`` returns the class that implements ``dtype``
 (:class:`HostKVCache` itself for f32/f16, :class:`Int8KVCache`, :class:`Int4KVCache`,
 :class:`K8V4KVCache`), so ``Backend.new_kv_cache`` needs no change.
 
-Quantized formats (the format's formula; tests re-implement it and compare exactly)
------------------------------------------------------------------------------------
-Notation, per layer, position ``p`` and KV head ``h``: ``x = k[p, h, :]`` or
-``v[p, h, :]`` float32 ``[hd]``. ``G = kv_group_size(hd)`` = the largest power of two
-that divides ``hd``, capped at 32 (hd 64 -> 32, hd 80 -> 16, hd 8 -> 8); groups are
-``x[j*G:(j+1)*G]``, ``j = 0 .. hd/G - 1``. ``f16()`` rounds to IEEE half (round to
-nearest even) after clipping to +-65504; all other math is float32; ``rint`` rounds
-half to even (``np.rint``); a zero scale gives all-zero codes (``q = 0``).
-
-**Rotation of K** (QuaRot, Ashkboos et al. 2024; the "incoherence processing" of QuIP,
-Chee et al. 2023): before quantizing, each K group is multiplied by the orthonormal
-Sylvester-Hadamard matrix ``H_G`` (``H_1 = [1]``, ``H_2n = [[H, H], [H, -H]]``, then
-``/ sqrt(G)``; symmetric, so ``H_G = H_G^T = H_G^-1``): ``y = x_g @ H_G``.
-Why: RoPE'd keys carry a few outlier channels (KIVI, Liu et al. 2024, Sec. 3; case C27);
-per-token groups then waste their whole range on one channel. The rotation spreads an
-outlier over the group, and ``q.k = (q H).(k H)`` so attention is unchanged in exact
-math. We kept every format *per token* rather than KIVI's per-channel-over-token-blocks
-K: a position's codes depend only on its own K/V, so chunked prefill == token-by-token
-decode, prefix reuse (``trim``) and ring storage are exact and deterministic, with no
-full-precision residual window to manage. The price, measured below: at 4 bits a
-simulated KIVI K (blocks of 32 tokens, residual in full precision) halves int4's KL;
-``k8v4`` (8-bit K) is better still and is what we recommend under 8 bits.
-
-Measured (``benchmarks/kv_quality.py``: SmolLM2-135M-Instruct, WikiText-2 test, 8
-chunks of 512 tokens, second halves scored = 2040 tokens, reference backend; f32 cache
-PPL 21.5485; KL and top-1 of the next-token distribution vs the f32 cache):
-
-======== ============ ======= ======== ====== =============
-KV       bytes/token  ΔPPL    KL       top-1  note
-======== ============ ======= ======== ====== =============
-f16      23040        +0.002% 4e-7     100%
-int8     12060        -0.041% 0.00013  99.5%
-k8v4      9720        +0.114% 0.0045   95.9%
-int4      7200        +2.22%  0.027    90.3%
-int4     (no rotation)+3.39%  0.041    88.3%  simulated
-int4     (KIVI K)     +0.74%  0.013    93.4%  simulated
-======== ============ ======= ======== ====== =============
-
-(bytes/token: all 30 layers, 3 KV heads, hd 64; f32 is 46080.)
-
-``int8`` (K: 1 + 2/G bytes per element; V: 1 + 2/hd)
-  K, per (p, h, group j), rotated ``y = x_g @ H_G``:
-      ``s = f16(max|y| / 127)``;  ``q = clip(rint(y / s), -127, 127)`` int8;
-      dequant ``y' = q * s``;  ``k' = y' @ H_G``.
-  V, per (p, h) over all hd (no rotation):
-      ``s = f16(max|x| / 127)``;  ``q = clip(rint(x / s), -127, 127)``;  ``v' = q * s``.
-
-``int4`` (K and V: 0.5 + 4/G bytes per element), asymmetric, per (p, h, group j);
-K rotated as above (``y = x_g @ H_G``), V not (``y = x_g``):
-      ``m = f16(min y)``;  ``s = f16((max y - m) / 15)``;
-      ``q = clip(rint((y - m) / s), 0, 15)`` uint4;  dequant ``y' = q * s + m``;
-      K: ``k' = y' @ H_G``;  V: ``v' = y'``.
-  Two codes per byte, **low nibble first**: byte ``i`` of a row holds channel ``2i``
-  in bits 0..3 and channel ``2i+1`` in bits 4..7 (the weight format's convention).
-
-``k8v4`` (K: 1 + 2/G, V: 0.5 + 4/G bytes per element): K exactly as ``int8``, V exactly
-  as ``int4``. K is the sensitive half (llama.cpp#7412; on SmolLM2 below, K at 4 bits
-  accounts for nearly all of int4's loss), so this is the quality/size middle ground.
-
-Quality (tests/test_kvcache.py; attention output vs an f32 cache, cosine over all
-outputs). N(0,1) q/k/v, 128 tokens, hd 64: f16 0.9999999, int8 0.99997, int4 0.9951.
-C27 (K [64, 128] with one channel x50, five seeds): int8 0.99993-0.99995; int4 with
-the rotation 0.984-0.990, without it 0.93-0.96. That is the documented limit of 4-bit
-K on outlier-heavy models (the worst single query still drops to ~0.87): the rotation
-is the mitigation built in; for such models use int8 (K is the sensitive half, as in
-llama.cpp#7412). fp16 storage saturates at +-65504 instead of becoming inf (C23);
-quantized scales saturate the same way, so entries beyond ~8e6 (int8) or a group
-minimum beyond +-65504 (int4) are clipped.
+Quantized formats: formulas, helpers, design measurements and the quality table live in
+:mod:`.kvformat` (re-exported here: ``hadamard``, ``quant_asym4``, ``k_channel_stats``,
+...). int4 keeps, per layer, a K channel offset ``m`` and scale ``c`` fixed by the
+write at position 0 (:meth:`HostKVCache.k_input`).
 
 Raw layout for fast backends (read the quantized cache directly)
 ----------------------------------------------------------------
@@ -92,20 +29,23 @@ int8   k_q         [S, Hkv, hd] int8          codes of the *rotated* K groups
 int8   k_scale     [S, Hkv, hd/G] float16     s per group
 int8   v_q         [S, Hkv, hd] int8          codes of V
 int8   v_scale     [S, Hkv] float16           s per (token, head)
-int4   k_q         [S, Hkv, hd/2] uint8       packed codes of the rotated K groups
+int4   k_q         [S, Hkv, hd/2] uint8       packed codes of the scaled, rotated K groups
 int4   k_scale     [S, Hkv, hd/G] float16     s per group
 int4   k_min       [S, Hkv, hd/G] float16     m per group
 int4   v_q         [S, Hkv, hd/2] uint8       packed codes of V
 int4   v_scale     [S, Hkv, hd/G] float16     s per group
 int4   v_min       [S, Hkv, hd/G] float16     m per group
+int4   k_off       [Hkv, hd] float32          K channel offset m (per layer, not in nbytes)
+int4   k_cs        [Hkv, hd] float32          K channel scale c (power of two)
 k8v4   k_q, k_scale as int8                   K as int8
 k8v4   v_q, v_scale, v_min as int4            V as int4
 ====== =========== ========================== ===========================================
 
-A fast kernel rotates the query once (``q_g @ H_G`` per group, :func:`hadamard`) and
-dots it with the dequantized rotated K ``y'`` directly; V needs no rotation. Without
-windows the arrays also exist stacked over layers as attributes (``cache.k`` ``[L, S,
-Hkv, hd]`` for f32/f16 as before, ``cache.k_q`` ``[L, S, Hkv, hd]`` for int8, ...).
+A fast kernel rotates the query once (``q_g @ H_G`` per group, :func:`hadamard`; for
+int4 ``(q * c)_g @ H_G`` and adds ``q . m``) and dots it with the dequantized rotated K
+``y'`` directly; V needs no rotation. Without windows the arrays also exist stacked
+over layers as attributes (``cache.k`` ``[L, S, Hkv, hd]`` for f32/f16 as before,
+``cache.k_q`` ``[L, S, Hkv, hd]`` for int8, ...).
 
 Sliding-window (ring) storage
 -----------------------------
@@ -123,10 +63,24 @@ never a raw slice of the ring). The engine reads ``length`` back after ``trim``.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from .kvformat import (  # noqa: F401  (re-exported: the format's public helpers)
+    KSTAT_POSITIONS,
+    _f16,
+    _rotate,
+    _safe,
+    dequant_asym4,
+    dequant_sym8,
+    hadamard,
+    k_channel_stats,
+    kv_group_size,
+    quant_asym4,
+    quant_sym8,
+    unpack4,
+)
 
 #: Float storage dtypes. Kept as the float-only tuple: backends/opencl validates with it.
 KV_DTYPES = ("f32", "f16")
@@ -134,95 +88,6 @@ KV_DTYPES = ("f32", "f16")
 ALL_KV_DTYPES = ("f32", "f16", "int8", "int4", "k8v4")
 #: Default rows per prefill chunk a ring layer must hold beyond its window (engine default).
 DEFAULT_MAX_CHUNK = 512
-
-_F16_MAX = np.float32(65504.0)
-
-
-# ---- format helpers (the one source of truth; tests re-implement them) ---------------
-def kv_group_size(head_dim: int) -> int:
-    """Channels per quantization group: the largest power of two dividing ``head_dim``, <= 32."""
-    if head_dim <= 0:
-        raise ValueError(f"head_dim must be positive, got {head_dim}")
-    return min(32, head_dim & -head_dim)
-
-
-def hadamard(n: int) -> np.ndarray:
-    """Orthonormal Sylvester-Hadamard matrix float32 ``[n, n]`` (n a power of two).
-
-    Symmetric and its own inverse: ``x @ H @ H == x`` up to rounding.
-    """
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return (h / np.float32(math.sqrt(n))).astype(np.float32)
-
-
-def _f16(x: np.ndarray) -> np.ndarray:
-    """Round float32 to float16, saturating at +-65504 (never inf)."""
-    return np.clip(x, -_F16_MAX, _F16_MAX).astype(np.float16)
-
-
-def _rotate(x: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """Multiply each G-channel group of x [..., hd] by H_G (float32)."""
-    g = h.shape[0]
-    shp = x.shape
-    return (x.reshape(*shp[:-1], shp[-1] // g, g) @ h).reshape(shp)
-
-
-def _safe(s: np.ndarray) -> np.ndarray:
-    return np.where(s == 0, np.float32(1.0), s)
-
-
-def quant_sym8(y: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
-    """int8 symmetric codes of y [..., n] in groups of ``g``: (q int8 [..., n], s f16 [..., n/g])."""
-    shp = y.shape
-    yg = y.reshape(*shp[:-1], shp[-1] // g, g)
-    s = _f16(np.abs(yg).max(axis=-1) / np.float32(127.0))
-    d = s.astype(np.float32)[..., None]
-    q = np.where(d == 0, 0, np.clip(np.rint(yg / _safe(d)), -127, 127))
-    return q.astype(np.int8).reshape(shp), s
-
-
-def dequant_sym8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """y' = q * s float32 [..., n] from q int8 [..., n], s f16 [..., n/g]."""
-    g = q.shape[-1] // s.shape[-1]
-    y = q.reshape(*s.shape, g).astype(np.float32) * s.astype(np.float32)[..., None]
-    return y.reshape(q.shape)
-
-
-def quant_asym4(y: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """uint4 asymmetric codes of y [..., n] in groups of ``g``.
-
-    Returns (packed uint8 [..., n/2] low nibble first, s f16 [..., n/g], m f16 [..., n/g]).
-    """
-    shp = y.shape
-    yg = y.reshape(*shp[:-1], shp[-1] // g, g)
-    m = _f16(yg.min(axis=-1))
-    m32 = m.astype(np.float32)
-    s = _f16((yg.max(axis=-1) - m32) / np.float32(15.0))
-    d = s.astype(np.float32)[..., None]
-    q = np.where(d == 0, 0, np.clip(np.rint((yg - m32[..., None]) / _safe(d)), 0, 15))
-    q = q.astype(np.uint8).reshape(shp)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), s, m
-
-
-def unpack4(packed: np.ndarray) -> np.ndarray:
-    """uint8 [..., n/2] -> codes uint8 [..., n] (low nibble = even channel)."""
-    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
-    out[..., 0::2] = packed & 15
-    out[..., 1::2] = packed >> 4
-    return out
-
-
-def dequant_asym4(packed: np.ndarray, s: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """y' = q * s + m float32 [..., n] from packed uint8 [..., n/2], s and m f16 [..., n/g]."""
-    q = unpack4(packed)
-    g = q.shape[-1] // s.shape[-1]
-    y = (q.reshape(*s.shape, g).astype(np.float32) * s.astype(np.float32)[..., None]
-         + m.astype(np.float32)[..., None])
-    return y.reshape(q.shape)
 
 
 # ---- sizes (used by the cache and by edgeinfer.memory; must agree exactly) ------------
@@ -289,6 +154,8 @@ class HostKVCache:
 
     #: (name, per-slot shape as a function of (Hkv, hd, G), numpy dtype) of the storage.
     _ARRAYS: tuple = ()
+    #: per-layer (not per-slot) arrays in ``raw``, outside ``nbytes`` (int4's K statistics)
+    _FIXED: tuple = ()
     rotate_k: bool = False
 
     def __new__(cls, *args, **kwargs):
@@ -362,12 +229,26 @@ class HostKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes preallocated: K and V codes, scales, and ring position tables."""
-        n = sum(arr.nbytes for layer in self._layer for arr in layer.values())
+        n = sum(arr.nbytes for layer in self._layer for name, arr in layer.items()
+                if name not in self._FIXED)
         return int(n + sum(p.nbytes for p in self._pos if p is not None))
 
     def bytes_per_token(self) -> int:
         """``nbytes // max_tokens`` (average over the context; exact without windows)."""
         return self.nbytes // self.max_tokens
+
+    def used_nbytes(self) -> int:
+        """Bytes of the positions held now: per layer ``min(length, S)`` slots (a ring
+        layer holds at most its ``S`` slots, plus its position table) of K and V codes and
+        scales. The generation stats' ``kv_bytes``."""
+        n = 0
+        for layer, a in enumerate(self._layer):
+            per_slot = sum(arr.nbytes // arr.shape[0] for name, arr in a.items()
+                           if name not in self._FIXED)
+            n += min(self.length, self.slots[layer]) * per_slot
+            if self._pos[layer] is not None:
+                n += self._pos[layer].nbytes
+        return int(n)
 
     def raw(self, layer: int) -> dict[str, np.ndarray]:
         """The storage arrays of ``layer`` by name (see the layout table); views, not copies."""
@@ -437,9 +318,19 @@ class HostKVCache:
         t = k.shape[0]
         self.check_room(start_pos, t)
         idx = self._slots_of(layer, start_pos, t)
-        self._store(self._layer[layer], idx, np.asarray(k, np.float32), np.asarray(v, np.float32))
+        k = self.k_input(layer, start_pos, np.asarray(k, np.float32))
+        self._store(self._layer[layer], idx, k, np.asarray(v, np.float32))
         if self._ring[layer]:
             self._pos[layer][idx] = np.arange(start_pos, start_pos + t)
+
+    def k_input(self, layer: int, start_pos: int, k: np.ndarray) -> np.ndarray:
+        """The float32 K ``[T, Hkv, hd]`` the format quantizes (before any rotation).
+
+        ``k`` itself except for int4, whose K channel statistics a write at position 0
+        (re)fixes first (:class:`Int4KVCache`). Fast backends call this, as ``write`` does,
+        so that their codes are bit-identical.
+        """
+        return k
 
     def read_positions(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Held keys and values of positions < ``end``, with their absolute positions.
@@ -498,9 +389,18 @@ class Int8KVCache(HostKVCache):
 
 class Int4KVCache(HostKVCache):
     """int4 KV cache: K and V per (token, head, group of G) asymmetric with f16 scale and
-    minimum, K Hadamard-rotated first; two codes per byte, low nibble first."""
+    minimum; K first shifted and scaled per channel (``(k - m) / c``, fixed by the write
+    at position 0, :func:`k_channel_stats`) and Hadamard-rotated; two codes per byte, low
+    nibble first. Formulas in :mod:`.kvformat`."""
 
     rotate_k = True
+    _FIXED = ("k_off", "k_cs")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for a in self._layer:  # until a write at position 0: m = 0, c = 1
+            a["k_off"] = np.zeros((self.n_kv_heads, self.head_dim), np.float32)  # m [Hkv, hd]
+            a["k_cs"] = np.ones((self.n_kv_heads, self.head_dim), np.float32)    # c [Hkv, hd]
 
     def _arrays(self, dtype):
         return (
@@ -512,6 +412,14 @@ class Int4KVCache(HostKVCache):
             ("v_min", lambda h, d, g: (h, d // g), np.float16),
         )
 
+    def k_input(self, layer, start_pos, k):
+        """``(k - m) / c`` float32 ``[T, Hkv, hd]``; a write at position 0 (a new sequence)
+        first sets ``m, c = k_channel_stats(k[:KSTAT_POSITIONS])`` for ``layer``."""
+        a = self._layer[layer]
+        if start_pos == 0 and k.shape[0] > 0:
+            a["k_off"][...], a["k_cs"][...] = k_channel_stats(k[:KSTAT_POSITIONS])
+        return (k - a["k_off"]) / a["k_cs"]
+
     def _store(self, a, idx, k, v):
         g = self.group_size
         a["k_q"][idx], a["k_scale"][idx], a["k_min"][idx] = quant_asym4(_rotate(k, self._h), g)
@@ -520,7 +428,7 @@ class Int4KVCache(HostKVCache):
     def _load(self, a, idx):
         k = _rotate(dequant_asym4(a["k_q"][idx], a["k_scale"][idx], a["k_min"][idx]), self._h)
         v = dequant_asym4(a["v_q"][idx], a["v_scale"][idx], a["v_min"][idx])
-        return k, v
+        return k * a["k_cs"] + a["k_off"], v
 
 
 class K8V4KVCache(HostKVCache):

@@ -164,7 +164,7 @@ def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
     cache = model.new_cache(n_ctx + 2 * steps + 4, kv)
     model.forward(ids, cache)
     ops = ["embed", "rmsnorm", "linear", "linear_many", "rope", "attention", "glu", "add",
-           "logits"]
+           "logits", "attention_input", "attention_output_mlp"]
     acc = {o: 0.0 for o in ops}
     orig = {o: getattr(be, o) for o in ops}
     depth = [0]
@@ -230,11 +230,12 @@ def python_overhead(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dic
     tok = np.array([5], np.int32)
     for _ in range(3):
         model.forward(tok, cache)
-    ts = []
+    ts, cs = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model.forward(tok, cache)
         ts.append(time.perf_counter() - t0)
+        cs.append(time.process_time() - c0)
     rec = []
     orig = Dispatcher.__dict__.get("__call__")
 
@@ -251,16 +252,22 @@ def python_overhead(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dic
         else:
             Dispatcher.__call__ = orig
     cache.length -= 1
-    rs = []
+    rs, rcs = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for d, a, k in rec:
             d(*a, **k)
         rs.append(time.perf_counter() - t0)
+        rcs.append(time.process_time() - c0)
     step, kern = statistics.median(ts), statistics.median(rs)
+    cstep, ckern = statistics.median(cs), statistics.median(rcs)
+    # CPU time (both threads) is far less sensitive than wall time to other processes
+    # taking the cores: on a loaded machine read python_pct_cpu
     return {"step_ms": round(step * 1e3, 3), "kernels_replayed_ms": round(kern * 1e3, 3),
             "kernel_calls": len(rec), "python_ms": round((step - kern) * 1e3, 3),
-            "python_pct": round(100 * (step - kern) / step, 1)}
+            "python_pct": round(100 * (step - kern) / step, 1),
+            "step_cpu_ms": round(cstep * 1e3, 3), "kernels_replayed_cpu_ms": round(ckern * 1e3, 3),
+            "python_pct_cpu": round(100 * (cstep - ckern) / cstep, 1)}
 
 
 def bench_kernels(threads: int) -> list[dict]:
@@ -392,6 +399,11 @@ def main(argv=None) -> None:
                                           for r in peer],
                         "ratio_prefill": round(med["prefill_tok_s"] / pm["prefill_tok_s"], 2),
                         "ratio_decode": round(med["decode_tok_s"] / pm["decode_tok_s"], 2)})
+            # each run pairs one peer run with the ours run right after it: on a loaded
+            # machine the median of the per-pair ratios drifts less than the ratio of medians
+            for k in ("prefill", "decode"):
+                row[f"ratio_{k}_paired_median"] = round(statistics.median(
+                    o[f"{k}_tok_s"] / p[f"{k}_tok_s"] for o, p in zip(ours, peer)), 2)
         print(json.dumps(row))
         if a.profile:
             print(json.dumps({"model": path.name, "profile_ctx": a.prompt,

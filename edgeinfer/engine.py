@@ -247,7 +247,7 @@ class Engine:
             stats.itl_mean_s = float(st.mean())
             stats.itl_p90_s = float(np.percentile(st, 90))
             stats.decode_tok_s = 1.0 / stats.itl_mean_s
-        stats.kv_bytes = int(self.cache.length * self.cache.nbytes // self.cache.max_tokens)
+        stats.kv_bytes = int(self.cache.used_nbytes())  # ring layers hold <= their slots
         stats.peak_rss_mb = peak_rss_mb()
         yield GenerationEvent(finish_reason=finish, stats=stats)
 

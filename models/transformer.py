@@ -78,6 +78,20 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     t = len(positions)
     eps, off = cfg.rms_norm_eps, cfg.norm_unit_offset
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if capture is None and not cfg.qk_norm and not cfg.sandwich_norms:
+        # plain pre-norm block: two fused backend ops around attention (one call each on
+        # the CPU decode path; the contract's defaults compose the ops spelled out below)
+        cos, sin = rope
+        q, k, v = be.attention_input(x, lw["input_layernorm"], eps, off,
+                                     [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
+                                     [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")],
+                                     cos, sin, positions, (hq, hkv, hd))
+        a = be.attention(q, k, v, cache, cache_layer, int(positions[0]), cfg.attn_scale,
+                         cfg.layer_window(layer), cfg.attn_logit_softcapping)
+        return be.attention_output_mlp(x, be.reshape(a, (t, hq * hd)), lw["o_proj"],
+                                       lw["post_attention_layernorm"], eps, off,
+                                       lw["gate_proj"], lw["up_proj"], lw["down_proj"],
+                                       "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
 
     h = be.rmsnorm(x, lw["input_layernorm"], eps, off)
     if capture is not None:

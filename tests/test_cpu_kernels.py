@@ -346,6 +346,28 @@ def test_attention_quant_ring_window(dtype):
                       0, pos, 0.25, w)
 
 
+def test_attention_int4_large_k_offset():
+    """int4's K channel statistics on Qwen-like K (large constant per-channel offsets, an
+    outlier channel, C27): the Numba write stores the reference's bytes (codes, m, c) and
+    attention over the codes == the reference, finite, prefill and decode."""
+    rng = np.random.default_rng(7)
+    hq, hkv, hd = 14, 2, 64
+    caches = [be.new_kv_cache(1, hkv, hd, 64, "int4") for be in (REF, CPU)]
+    off = np.zeros(hd, np.float32)
+    off[[30, 31, 62, 63]] = [120, -150, 90, 140]
+    pos = 0
+    for t, kind in [(20, "plain"), (1, "plain"), (7, "outlier"), (1, "plain")]:
+        k, v = _kv_chunk(rng, t, hkv, hd, kind)
+        q = rng.standard_normal((t, hq, hd)).astype(np.float32)
+        o = [be.attention(q, k + off, v, c, 0, pos, hd ** -0.5)
+             for be, c in zip((REF, CPU), caches)]
+        assert np.isfinite(o[1]).all() and nerr(o[1], o[0]) < FLOAT_TOL
+        pos += t
+    for name, arr in caches[0].raw(0).items():
+        assert np.array_equal(arr.view(np.uint8), caches[1].raw(0)[name].view(np.uint8)), name
+    assert np.abs(caches[0].raw(0)["k_off"][:, 31] + 150).max() < 1
+
+
 @pytest.mark.parametrize("dtype", ["f16", "int8", "int4"])
 def test_attention_decode_serial_equals_parallel(dtype):
     """The single-threaded decode kernels (short contexts) == the parallel ones."""
@@ -362,11 +384,14 @@ def test_attention_decode_serial_equals_parallel(dtype):
         if dtype == "f16":
             kc, vc = c.k[0].view(np.uint16), c.v[0].view(np.uint16)
             fn = att.attention if par else att.attention_serial
-            fn(out, q, k[-1:], v[-1:], kc, vc, np.zeros(0, np.int64), False, n - 1, 0.125, 0, 0.0)
+            scr = att.decode_scratch(c, hq, hd) if par else np.zeros((0, 0), np.float32)
+            fn(out, q, k[-1:], v[-1:], kc, vc, np.zeros(0, np.int64), False, n - 1, 0.125, 0, 0.0,
+               scr)
         else:
             a = c._cpu_qviews[0]
             fn = kvquant.attention_q if par else kvquant.attention_q_serial
-            fn(out, q, a[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], n - 1, 0.125, 0, 0.0)
+            fn(out, q, a[7], a[0], a[1], a[2], a[3], a[4], a[5], a[9], a[10], a[6], n - 1, 0.125,
+               0, 0.0)
         outs.append(out)
     assert nerr(outs[1], outs[0]) < 1e-6
 

@@ -6,6 +6,9 @@
   decode path, teacher-forced logits within 3e-2 normalized error every step and the
   argmax identical wherever the reference's top-2 margin exceeds that error;
 * prefill of N tokens == prefill N-1 + decode 1 (last logits within 1e-4 relative).
+
+Quantized decode runs through the CPU backend's fused per-layer kernels
+(``attention_input`` / ``attention_output_mlp``); the teacher-forced test checks they ran.
 """
 from __future__ import annotations
 
@@ -108,6 +111,8 @@ def test_quant_fast_decode_teacher_forced(model):
         ids = np.array([tok], np.int32)
         lr, lc = mr.forward(ids, cr), mc.forward(ids, cc)
     assert agree >= STEPS - 4
+    # decode ran through the fused per-layer kernels (backends/cpu/fused.py)
+    assert {k[0] for k, v in mc.backend._dec.items() if v is not False} == {"qkv", "mlp"}
 
 
 @pytest.mark.parametrize("weights", ["dense", "quant"])

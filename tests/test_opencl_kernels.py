@@ -460,6 +460,28 @@ def test_quantized_cache_codes_equal_host_codes(be, dtype):
     assert nerr(kk, hk) < 1e-3 and nerr(vv, hv) < 1e-3
 
 
+def test_int4_cache_large_k_offset(be):
+    """int4's K channel statistics on Qwen-like K (large constant per-channel offsets): the
+    device holds the host's m and c and attends like the reference, prefill and decode."""
+    rng = np.random.default_rng(9)
+    hq, hkv, hd = 14, 2, 64
+    rc, dc = REF.new_kv_cache(1, hkv, hd, 32, "int4"), be.new_kv_cache(1, hkv, hd, 32, "int4")
+    off = np.zeros(hd, np.float32)
+    off[[30, 31, 62, 63]] = [120, -150, 90, 140]
+    pos = 0
+    for t in (12, 1, 5, 1):
+        q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
+        k = k + off
+        ref = REF.attention(q, k, v, rc, 0, pos, 0.125)
+        y = be.to_host(be.attention(be.upload(q), be.upload(k), be.upload(v), dc, 0, pos, 0.125))
+        assert np.isfinite(y).all() and nerr(y, ref) < 1e-5
+        pos += t
+    for name in ("k_off", "k_cs"):
+        assert np.array_equal(dc.raw(0, pos)[name], rc.raw(0)[name]), name
+    kk, hk = dc.read(0, pos)[0], rc.read(0, pos)[0]
+    assert nerr(kk, hk) < 1e-5
+
+
 def test_quantized_cache_large_magnitudes_stay_finite(be):
     rng = np.random.default_rng(8)
     for dtype in ("int8", "int4"):

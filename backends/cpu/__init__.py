@@ -8,7 +8,9 @@ memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does
 Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefill),
 :mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
-:mod:`._simd`. :meth:`CpuBackend.linear_many` fuses q/k/v and gate/up into one GEMV.
+:mod:`._simd`. :meth:`CpuBackend.linear_many` fuses q/k/v and gate/up into one GEMV;
+for decode, :meth:`CpuBackend.attention_input` and :meth:`CpuBackend.attention_output_mlp`
+run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch.
 
 Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
 the decode kernels; a small Python thread pool with single-threaded OpenBLAS for the
@@ -34,6 +36,7 @@ from ..kvcache import HostKVCache, _rotate
 from ..quantized import QuantizedTensor
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
+from .attention import decode_scratch
 from .elementwise import (
     dequant_rows_q4,
     dequant_rows_q8,
@@ -43,7 +46,8 @@ from .elementwise import (
     rope_tokens_par,
 )
 from .gemm import GemmPool, gemm_dense, gemm_quant
-from .gemv import ActScratch, gemv_quant
+from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
+from .gemv import _NO_BIAS, SERIAL_MAX_BYTES, ActScratch, gemv_quant
 from .kvquant import attention_q, attention_q_serial, kv_write_q
 from .repack import CpuQuantWeight, blocks_align_with_groups, repack
 
@@ -52,6 +56,8 @@ __all__ = ["CpuBackend", "CpuQuantWeight", "physical_cores"]
 #: Token counts up to this use the integer GEMV once per token; above, dequant + BLAS.
 GEMV_MAX_T = 2
 _NO_POS = np.zeros(0, np.int64)
+_NO_SCR = np.zeros((0, 0), np.float32)  # attention scratch: none (items allocate their own)
+_F32 = np.dtype(np.float32)
 _GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 #: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd is
 #: below this: measured on the shared 2-core host (load ~3), the serial kernel beat the
@@ -113,6 +119,8 @@ class CpuBackend(Backend):
         self._act = ActScratch()
         self._pool = GemmPool(self.threads)
         self._fused: dict = {}  # linear_many: id tuple -> (weight, bias, splits, members)
+        self._dec: dict = {}  # fused decode halves: (op, id(first weight)) -> prepared call
+        self._scr: dict = {}  # decode scratch buffers by (name, shape)
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
@@ -143,11 +151,15 @@ class CpuBackend(Backend):
         """x[T, D] = table[ids] * scale; quantized tables dequantize only the rows used."""
         ids = np.asarray(ids).reshape(-1)
         if isinstance(table, CpuQuantWeight):
-            if ids.size and (ids.min() < 0 or ids.max() >= table.out_features):
+            if ids.shape[0] == 1:  # decode: one id, no reductions
+                bad = not 0 <= int(ids[0]) < table.out_features
+            else:
+                bad = ids.size and (ids.min() < 0 or ids.max() >= table.out_features)
+            if bad:
                 raise IndexError(f"token id out of range 0..{table.out_features - 1}")
             out = np.empty((ids.shape[0], table.in_features), np.float32)
             fn = dequant_rows_q4 if table.bits == 4 else dequant_rows_q8
-            fn(out, table.wp, table.sc, table.sz, table.bmap, ids.astype(np.int64),
+            fn(out, table.wp, table.sc, table.sz, table.bmap, ids.astype(np.int64, copy=False),
                np.float32(scale))
             return out
         x = table[ids]
@@ -222,6 +234,111 @@ class CpuBackend(Backend):
         y = self.linear(x, f[0], f[1])
         return [y[..., a:b] for a, b in f[2]]
 
+    # ---- fused decode halves (T = 1): one Numba call each, no allocation -------------
+    def _scratch(self, name, shape):
+        """A float32 scratch array, allocated once per (name, shape)."""
+        key = (name, shape)
+        a = self._scr.get(key)
+        if a is None:
+            a = self._scr[key] = np.zeros(shape, np.float32)
+        return a
+
+    def _fused_q4(self, ws, biases):
+        """The fused 4-bit weight of ``ws`` (see :meth:`linear_many`), or None."""
+        key = tuple(map(id, ws)) + tuple(map(id, biases))
+        f = self._fused.get(key)
+        if f is None:
+            f = self._fused[key] = self._fuse(ws, biases)
+        return f if f is not False and f[0].bits == 4 else None
+
+    @staticmethod
+    def _decode_row(x, n):
+        """x is a float32 [1, n] ndarray (contiguity is not needed: a strided row only
+        compiles another specialization of the kernel)."""
+        return x.__class__ is np.ndarray and x.shape == (1, n) and x.dtype is _F32
+
+    def attention_input(self, x, norm_w, eps, unit_offset, ws, biases, cos, sin, positions,
+                        heads):
+        """See :meth:`Backend.attention_input`. Decode (T = 1) with 4-bit q/k/v weights of
+        one format: one call of :func:`.fused.qkv_rope_par` (``_ser`` for weights up to
+        ``SERIAL_MAX_BYTES``) into per-layer scratch; q, k, v are views of it, valid until
+        this layer's next call. Otherwise the contract's composition of ops."""
+        e = self._dec.get(("qkv", id(ws[0])))
+        if e is None:
+            e = self._dec[("qkv", id(ws[0]))] = self._prep_qkv(x, norm_w, ws, biases, heads)
+        if (e is False or e[9] is not norm_w or e[12][1] is not ws[1] or e[12][2] is not ws[2]
+                or e[10] != heads or self.exact_decode or not self._decode_row(x, e[11])
+                or positions.shape[0] != 1):
+            return super().attention_input(x, norm_w, eps, unit_offset, ws, biases, cos, sin,
+                                           positions, heads)
+        hq, hkv, hd = heads
+        e[0](e[1], x, norm_w, eps, unit_offset, e[2], e[3], e[4], e[5], cos, sin,
+             int(positions[0]), hq, hkv, hd)
+        return e[6], e[7], e[8]
+
+    def _prep_qkv(self, x, norm_w, ws, biases, heads):
+        f = self._fused_q4(ws, biases)
+        hq, hkv, hd = heads
+        if f is None or f[0].out_features != (hq + 2 * hkv) * hd:
+            return False
+        w = f[0]
+        y = np.zeros(w.out_features, np.float32)  # per layer: q/k/v views outlive the call
+        q = y[:hq * hd].reshape(1, hq, hd)
+        k = y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd)
+        v = y[(hq + hkv) * hd:].reshape(1, hkv, hd)
+        fn = qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else qkv_rope_par
+        bias = _NO_BIAS if f[1] is None else f[1]
+        return (fn, y, self._scratch("h", (w.in_features,)), (w.wp, w.sc, w.sz, w.bmap), bias,
+                self._act.get(w.n_blocks, w.n_groups), q, k, v, norm_w, tuple(heads),
+                w.in_features, list(ws), list(biases))
+
+    def attention_output_mlp(self, x, a, wo, norm_w, eps, unit_offset, w_gate, w_up, w_down,
+                             act="silu"):
+        """See :meth:`Backend.attention_output_mlp`. Decode (T = 1) with 4-bit weights: one
+        call of :func:`.fused.out_mlp_par` (``_ser`` when gate/up fit
+        ``SERIAL_MAX_BYTES``); the result is a [1, D] scratch array shared by all layers,
+        valid until the next call. Otherwise the contract's composition of ops.
+
+        Raises:
+            ValueError: unknown activation.
+        """
+        if act == "silu":
+            gelu = False
+        elif act in ("gelu_tanh", "gelu_pytorch_tanh"):
+            gelu = True
+        else:
+            raise ValueError(f"unsupported activation {act!r}")
+        e = self._dec.get(("mlp", id(wo)))
+        if e is None:
+            e = self._dec[("mlp", id(wo))] = self._prep_mlp(wo, w_gate, w_up, w_down)
+        if (e is False or e[7] is not w_gate or e[8] is not w_down or e[12] is not w_up
+                or self.exact_decode or not self._decode_row(x, e[9])
+                or not self._decode_row(a, e[10])):
+            return super().attention_output_mlp(x, a, wo, norm_w, eps, unit_offset, w_gate,
+                                                w_up, w_down, act)
+        e[0](e[1], x, a, norm_w, eps, unit_offset, gelu, e[2], e[3], e[4], e[5][0], e[5][1],
+             e[5][2], e[6], _NO_BIAS)
+        return e[1]
+
+    def _prep_mlp(self, wo, w_gate, w_up, w_down):
+        f = self._fused_q4([w_gate, w_up], [None, None])
+        ok = (f is not None and all(w.__class__ is CpuQuantWeight and w.bits == 4
+                                    for w in (wo, w_down))
+              and wo.out_features == w_down.out_features == f[0].in_features
+              and w_down.in_features == w_gate.out_features == w_up.out_features)
+        if not ok:
+            return False
+        wgu = f[0]
+        d, ff = wo.out_features, w_gate.out_features
+        acts = tuple(self._act.get(w.n_blocks, w.n_groups) for w in (wo, wgu, w_down))
+        nob = (self._scratch("o", (d,)), self._scratch("h", (d,)),
+               self._scratch("gu", (2 * ff,)), self._scratch("m", (ff,)))
+        fn = out_mlp_ser if wgu.nbytes <= SERIAL_MAX_BYTES else out_mlp_par
+        return (fn, self._scratch("xo", (1, d)), (wo.wp, wo.sc, wo.sz, wo.bmap),
+                (wgu.wp, wgu.sc, wgu.sz, wgu.bmap), (w_down.wp, w_down.sc, w_down.sz,
+                                                     w_down.bmap),
+                acts, nob, w_gate, w_down, d, wo.in_features, wo, w_up)
+
     @staticmethod
     def _fuse(ws, biases):
         w0 = ws[0]
@@ -292,14 +409,15 @@ class CpuBackend(Backend):
                 kc, vc = kc.view(np.uint16), vc.view(np.uint16)
             fn = (_attention_serial if t == 1 and (start_pos + 1) * hq * hd <= _ATTN_SERIAL_MAX
                   else _attention)
-            fn(out, q, k, v, kc, vc, _NO_POS, True, int(start_pos), float(scale), win, cap)
+            scr = decode_scratch(cache, hq, hd) if t == 1 else _NO_SCR  # decode: no allocation
+            fn(out, q, k, v, kc, vc, _NO_POS, True, int(start_pos), float(scale), win, cap, scr)
             return out
         # quantized or ring storage: the cache encodes/decodes, the kernel masks by position
         cache.write(layer, start_pos, k, v)
         kk, vv, pos = cache.read_positions(layer, start_pos + t)
         _attention(out, q, k, v, np.ascontiguousarray(kk, np.float32),
                    np.ascontiguousarray(vv, np.float32), np.asarray(pos, np.int64), False,
-                   int(start_pos), float(scale), win, cap)
+                   int(start_pos), float(scale), win, cap, _NO_SCR)
         return out
 
     def _attention_q(self, out, q, k, v, cache, layer, start, scale, win, cap, ring):
@@ -317,11 +435,14 @@ class CpuBackend(Backend):
                 return None if arr is None else arr.view(np.uint16)
 
             pos = cache.positions(layer) if ring else None
+            shp = (cache.n_kv_heads, cache.head_dim)  # int4's K channel m, c (8-bit K: 0, 1)
             a = (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
                  bits("v_min"), _NO_POS if pos is None else pos,
-                 np.ascontiguousarray(cache._h, np.float32), cache.group_size)
+                 np.ascontiguousarray(cache._h, np.float32), cache.group_size,
+                 raw.get("k_off", np.zeros(shp, np.float32)),
+                 raw.get("k_cs", np.ones(shp, np.float32)))
             views[layer] = a
-        kq, ks, kmin, vq, vs, vmin, pos, hmat, g = a
+        kq, ks, kmin, vq, vs, vmin, pos, hmat, g, koff, kcs = a
         t = k.shape[0]
         if ring and t > cache.slots[layer] - (cache.window_sizes[layer] - 1):
             raise ValueError(
@@ -329,11 +450,12 @@ class CpuBackend(Backend):
                 f"(window {cache.window_sizes[layer]}) was sized for; prefill in smaller chunks "
                 f"or build the cache with max_chunk >= {t}")
         # the cache's own rotation (same numpy call as cache.write): bit-identical codes
-        kv_write_q(_rotate(k, hmat), v, kq, ks, kmin, vq, vs, vmin, pos, start, g)
+        kv_write_q(_rotate(cache.k_input(layer, start, k), hmat), v, kq, ks, kmin, vq, vs, vmin,
+                   pos, start, g)
         n_keys = kq.shape[0] if ring else start + t
         fn = (attention_q_serial if t == 1 and n_keys * q.shape[1] * q.shape[2]
               <= _ATTN_SERIAL_MAX else attention_q)
-        fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, pos, start, scale, win, cap)
+        fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, pos, start, scale, win, cap)
         return out
 
     def glu(self, gate, up, act="silu"):

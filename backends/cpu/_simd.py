@@ -5,8 +5,10 @@ int64, reduces horizontally once per group and converts per element; measured at
 1-2 GB/s (see PERF-NOTES). Here one 32-byte load yields 64 4-bit codes in lane order,
 ``pmaddubsw`` (u8 x s8 -> pairwise s16) + ``pmaddwd`` (s16 x 1 -> s32) form 8 partial
 integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe),
-and one float FMA per block applies ``scale_w * scale_x``. The 8-float accumulators of
-R rows stay in registers across the whole row; the horizontal sum happens once per row.
+one float FMA per block applies the activation scale ``dx_b`` to a per-group accumulator,
+and one FMA per group applies the weight scale (so a g128 row costs one scale load per
+4 blocks, not per block). The 8-float accumulators of R rows stay in registers across the
+whole row; the horizontal sum happens once per row.
 
 Layouts consumed (built by :mod:`.repack`):
 
@@ -19,8 +21,8 @@ Activations: ``xq`` int8 ``[nb * 32]`` and ``dx`` float32 ``[nb]`` (per-block sc
 Scales: ``sc`` float32 ``[rows, ng]``; ``bmap`` int32 ``[nb]`` maps block -> group.
 
 The kernels compute, for each of R rows starting at ``r0``:
-``y[r] = sum_b sc[r, bmap[b]] * dx[b] * sum_{k in b} code[r, k] * xq[k]`` (no zero-point
-term; the caller subtracts it). Only emitted when the host has AVX2 (:data:`HAVE_AVX2`);
+``y[r] = sum_g sc[r, g] * sum_{b: bmap[b] = g} dx[b] * sum_{k in b} code[r, k] * xq[k]``
+(no zero-point term; the caller subtracts it; ``bmap`` must be non-decreasing). Only emitted when the host has AVX2 (:data:`HAVE_AVX2`);
 otherwise :mod:`.gemv` uses a portable Numba loop with the same result.
 
 Caching caveat: Numba's on-disk cache of a caller (e.g. ``gemv_q4``) is keyed on the
@@ -103,30 +105,49 @@ def _make_rows_kernel(n_rows: int, bits: int):
             ones16 = ir.Constant(_V16I16, [1] * 16)
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
             xbase = builder.bitcast(a_xq.data, _I8.as_pointer())
-            accs = []
+            accs, gaccs = [], []
             wrows, srows = [], []
+            zero8 = ir.Constant(_V8F32, [0.0] * 8)
             for r in range(n_rows):
                 acc = cgutils.alloca_once(builder, _V8F32)
-                builder.store(ir.Constant(_V8F32, [0.0] * 8), acc)
+                builder.store(zero8, acc)
                 accs.append(acc)
+                gacc = cgutils.alloca_once(builder, _V8F32)
+                builder.store(zero8, gacc)
+                gaccs.append(gacc)
                 row = builder.add(r0v, ir.Constant(i64, r))
                 wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
                 srows.append(_gep(builder, a_sc.data, builder.mul(row, srow)))
+            cur_g = cgutils.alloca_once(builder, i64)  # group of the blocks in gaccs
+            builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
+
+            def flush():
+                # acc_r += gacc_r * sc[r, cur_g]; gacc_r = 0 (once per group and row)
+                g = builder.load(cur_g)
+                for r in range(n_rows):
+                    f = _splat_f32(builder, builder.load(_gep(builder, srows[r], g)))
+                    builder.store(builder.call(fmuladd, [builder.load(gaccs[r]), f,
+                                                         builder.load(accs[r])]), accs[r])
+                    builder.store(zero8, gaccs[r])
 
             def block(bidx, codes_per_row, signs=None):
-                # one 32-element block for every row: acc_r += cvt(idot) * (s_rg * dx_b)
+                # one 32-element block for every row: gacc_r += cvt(idot_r) * dx_b; the
+                # group scale is applied once per group in flush()
                 xv0 = builder.load(builder.bitcast(_gep(builder, xbase, builder.mul(
                     bidx, ir.Constant(i64, 32))), _V32I8.as_pointer()), align=1)
-                dxb = builder.load(_gep(builder, a_dx.data, bidx))
                 g = builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+                with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                     likely=False):
+                    flush()
+                    builder.store(g, cur_g)
+                f = _splat_f32(builder, builder.load(_gep(builder, a_dx.data, bidx)))
                 for r in range(n_rows):
-                    s = builder.load(_gep(builder, srows[r], g))
-                    f = _splat_f32(builder, builder.fmul(s, dxb))
                     xv = xv0 if signs is None else builder.call(psign, [xv0, signs[r]])
                     p16 = builder.call(pmaddubsw, [codes_per_row[r], xv])
                     p32 = builder.call(pmaddwd, [p16, ones16])
                     pf = builder.sitofp(p32, _V8F32)
-                    builder.store(builder.call(fmuladd, [pf, f, builder.load(accs[r])]), accs[r])
+                    builder.store(builder.call(fmuladd, [pf, f, builder.load(gaccs[r])]),
+                                  gaccs[r])
 
             if bits == 4:
                 n_chunks = builder.udiv(nbv, ir.Constant(i64, 2))
@@ -157,6 +178,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                           for r in range(n_rows)]
                     block(b, [builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)]) for w in ws],
                           signs=ws)
+            flush()
             for r in range(n_rows):
                 tot = _hsum8(builder, builder.load(accs[r]))
                 dst = _gep(builder, a_y.data, builder.add(r0v, ir.Constant(i64, r)))
@@ -172,7 +194,11 @@ def _make_rows_kernel(n_rows: int, bits: int):
 def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, plain loops
     for r in range(r0, r0 + nr):
         acc = np.float32(0.0)
+        gacc = np.float32(0.0)  # this group's sum of dx_b * idot_b (scaled once per group)
         for b in range(nb):
+            if b > 0 and bmap[b] != bmap[b - 1]:
+                acc += gacc * sc[r, bmap[b - 1]]
+                gacc = np.float32(0.0)
             s = np.int32(0)
             if bits == 4:
                 c = b // 2
@@ -183,8 +209,8 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
             else:  # wp is int8 here
                 for j in range(32):
                     s += np.int32(wp[r, b * 32 + j]) * np.int32(xq[b * 32 + j])
-            acc += sc[r, bmap[b]] * dx[b] * np.float32(s)
-        y[r] = acc
+            gacc += dx[b] * np.float32(s)
+        y[r] = acc + gacc * sc[r, bmap[nb - 1]]
 
 
 @njit(cache=True)

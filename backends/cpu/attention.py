@@ -13,6 +13,10 @@ Quantized caches (int8 / int4 / k8v4, linear or ring) are read in place by
 path in the backend: the cache's own ``write`` and ``read_positions``, then this kernel
 over the returned float32 rows with their explicit positions.
 
+Decode (T = 1) items take their scores, scaled queries and accumulator from a scratch
+array allocated once per cache (:func:`decode_scratch`), so a decode step allocates
+nothing in the kernel; prefill items allocate their own (O(S) each, amortized over T).
+
 :func:`attention_serial` is the same work items on the calling thread: the backend uses
 it for decode over short contexts, where the fork/join of a parallel region costs more
 than it saves on a shared 2-core host (measured: SmolLM2 decode at 256 keys 157 us per
@@ -66,7 +70,7 @@ def _ov_store_val(v, like):
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
+def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, scr):
     """out[T, Hq, hd] = softmax(q . K^T * scale) V over the causal (windowed) past.
 
     Args:
@@ -81,6 +85,8 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
         scale: score multiplier (1/sqrt(hd) usually).
         window: sliding window (query p sees keys > p - window), 0 for none.
         softcap: tanh soft-capping of scores, 0 for none.
+        scr: float32 [rows, cols] per-item scratch (:func:`decode_scratch`), or [0, 0]:
+            an item whose row is missing or too short allocates its own (prefill).
     """
     t_n, hq, hd = q.shape
     hkv = k.shape[1]
@@ -93,11 +99,11 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
                     vc[start + t, h, d] = _store_val(v[t, h, d], vc)
     split = 2 if (t_n == 1 and grp > 1) else 1
     for item in prange(t_n * hkv * split):
-        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split)
+        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split, scr)
 
 
 @njit(cache=True, fastmath=_FM)
-def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap):
+def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, scr):
     """As :func:`attention` on the calling thread (short decode contexts: no fork/join)."""
     t_n, hq, hd = q.shape
     hkv = k.shape[1]
@@ -108,7 +114,41 @@ def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, so
                     kc[start + t, h, d] = _store_val(k[t, h, d], kc)
                     vc[start + t, h, d] = _store_val(v[t, h, d], vc)
     for item in range(t_n * hkv):
-        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1)
+        _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1, scr)
+
+
+def decode_scratch(cache, hq: int, hd: int) -> np.ndarray:
+    """The decode scratch of ``cache``, allocated once on first use and kept on it.
+
+    float32 ``[2 * Hkv, grp * (S + 2 * hd)]`` (``grp = hq / Hkv``, ``S`` = the most slots
+    of a layer): one row per decode work item (scores, scaled query heads, accumulator),
+    so that a decode step allocates nothing in the kernel (llama2.c's ``RunState``).
+    """
+    scr = cache.__dict__.get("_cpu_attn_scratch")
+    if scr is None or scr.shape[1] < (hq // cache.n_kv_heads) * 2 * hd:
+        n = max(getattr(cache, "slots", [cache.max_tokens]))
+        scr = np.empty((2 * cache.n_kv_heads, (hq // cache.n_kv_heads) * (n + 2 * hd)),
+                       np.float32)
+        cache._cpu_attn_scratch = scr
+    return scr
+
+
+@njit(cache=True, inline="always")
+def item_scratch(scr, item, gn, n, hd):
+    """(s [gn, n], qs [gn, hd], acc [gn, hd] zeroed) float32: views of ``scr[item]`` when
+    that row exists and is long enough (decode), else fresh arrays (prefill)."""
+    need = gn * (n + 2 * hd)
+    if item < scr.shape[0] and need <= scr.shape[1]:
+        row = scr[item]
+        s = row[:gn * n].reshape((gn, n))
+        qs = row[gn * n:gn * (n + hd)].reshape((gn, hd))
+        acc = row[gn * (n + hd):need].reshape((gn, hd))
+        acc[:] = 0
+    else:
+        s = np.empty((gn, n), np.float32)
+        qs = np.empty((gn, hd), np.float32)
+        acc = np.zeros((gn, hd), np.float32)
+    return s, qs, acc
 
 
 @njit(cache=True, inline="always")
@@ -133,21 +173,19 @@ def _item_span(item, hq, hkv, split, n_slots, linear, start, window):
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split):
+def _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split, scr):
     t_n, hq, hd = q.shape
     hkv = kc.shape[1]
     linear = kpos.shape[0] == 0
     t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kc.shape[0], linear, start,
                                          window)
-    s = np.empty((gn, n), np.float32)
-    qs = np.empty((gn, hd), np.float32)  # this item's query heads, pre-scaled
+    s, qs, acc = item_scratch(scr, item, gn, n, hd)  # scores; query heads pre-scaled; sum
     for g in range(gn):
         for d in range(hd):
             qs[g, d] = q[t, g0 + g, d] * scale
     _scores(s, qs, kc, kh, lo, n, kpos, linear, p, window)
     for g in range(gn):
         _softmax_inplace(s[g], softcap)
-    acc = np.zeros((gn, hd), np.float32)
     n4 = n - n % 4
     for j in range(0, n4, 4):  # 4 keys per pass: a quarter of the acc loads/stores
         v0, v1 = vc[lo + j, kh], vc[lo + j + 1, kh]

@@ -3,16 +3,18 @@
 Two kernels, both on the raw arrays of :meth:`HostKVCache.raw` (float16 scales passed
 as their uint16 bits):
 
-* :func:`kv_write_q` encodes one chunk of K (already Hadamard-rotated by the caller with
-  the cache's own ``_rotate``, so the float32 inputs are bit-identical to
-  ``cache.write``'s) and V into codes + scales exactly per the module formulas of
+* :func:`kv_write_q` encodes one chunk of K (already shifted/scaled per channel by
+  ``cache.k_input`` (int4) and Hadamard-rotated by the caller with the cache's own
+  ``_rotate``, so the float32 inputs are bit-identical to ``cache.write``'s) and V into codes + scales exactly per the module formulas of
   :mod:`..kvcache` (float32 math, no fast-math: ``max|y| / 127``, f16 round-to-nearest-
   even with saturation, ``rint(y / s)`` half to even, clipping; int4 packed low nibble
   first). Ring layers: slot ``p % S`` and the position table are updated too.
 * :func:`attention_q` is the GQA attention of :mod:`.attention` without dequantizing
   the cache: each query head is scaled and rotated once per group (``q_g @ H_G``), so
   ``q . k = (q H) . (k H)`` is a dot with the stored codes, one scale (and for int4 the
-  group minimum times the rotated query's group sum) per group; V is dequantized on the
+  group minimum times the rotated query's group sum) per group; int4's K channel scale
+  ``c`` is folded into the query before the rotation and its offset ``m`` adds ``q . m``
+  to every score of that query head; V is dequantized on the
   fly inside the weighted sum (int8: one scale per (token, head) folded into the
   probability; int4: per group ``p * s * code + p * m``).
 
@@ -222,8 +224,8 @@ def _ov_v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, window,
-               softcap, split):  # one (token, KV head, query-head half) work item
+def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
+               window, softcap, split):  # one (token, KV head, query-head half) work item
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     gsz = hmat.shape[0]
@@ -231,13 +233,16 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scal
     linear = kpos.shape[0] == 0
     t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kq.shape[0], linear, start,
                                          window)
-    qs = np.zeros((gn, hd), np.float32)  # scaled, rotated query heads
+    qs = np.zeros((gn, hd), np.float32)  # scaled, channel-scaled (c), rotated query heads
     qsum = np.zeros((gn, ng), np.float32)
+    qm = np.zeros(gn, np.float32)  # q . m: int4's K channel offset (0 for 8-bit K)
     for g in range(gn):
         for j in range(ng):
             b = j * gsz
             for i in range(gsz):
                 qv = q[t, g0 + g, b + i] * scale
+                qm[g] += qv * koff[kh, b + i]
+                qv *= kcs[kh, b + i]
                 for c in range(gsz):
                     qs[g, b + c] += qv * hmat[i, c]
             tot = np.float32(0.0)
@@ -246,6 +251,9 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scal
             qsum[g, j] = tot
     s = np.empty((gn, n), np.float32)
     _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng)
+    for g in range(gn):
+        for jj in range(n):
+            s[g, jj] += qm[g]
     if not linear:
         for jj in range(n):
             kp = kpos[jj]
@@ -262,8 +270,8 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scal
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, window,
-                softcap):
+def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
+                window, softcap):
     """out[T, Hq, hd] = softmax(q . K^T * scale) V over a quantized cache layer.
 
     Args:
@@ -271,6 +279,9 @@ def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, wi
         hmat: float32 [G, G] the cache's Hadamard matrix.
         kq, ks, kmin, vq, vs, vmin: the layer's raw arrays (scales as uint16 bits;
             kmin / vmin None for 8-bit K / V), already holding the new tokens.
+        koff, kcs: float32 [Hkv, hd] int4's K channel offset m and scale c (zeros and
+            ones for 8-bit K): ``k' = (y' H) * c + m``, so ``q . k' = (H (q * c)) . y'
+            + q . m``, one rotation and one dot per query head.
         kpos: int64 [S] position of each slot (ring), or [0]: slot j = position j.
         start, scale, window, softcap: as :func:`.attention.attention`.
     """
@@ -278,16 +289,16 @@ def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, wi
     hkv = kq.shape[1]
     split = 2 if (t_n == 1 and hq // hkv > 1) else 1
     for item in prange(t_n * hkv * split):
-        _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, window,
-                   softcap, split)
+        _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
+                   scale, window, softcap, split)
 
 
 @njit(cache=True, fastmath=_FM)
-def attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, window,
-                       softcap):
+def attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
+                       window, softcap):
     """As :func:`attention_q` on the calling thread (short decode contexts: no fork/join)."""
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     for item in range(t_n * hkv):
-        _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, kpos, start, scale, window,
-                   softcap, 1)
+        _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
+                   scale, window, softcap, 1)

@@ -5,7 +5,10 @@
 //   int8: kq char [row, hd] = codes of K rotated per group by the Hadamard matrix H_G,
 //         ks half [row, hd/G]; vq char [row, hd], vs half [row] (one scale per head).
 //   int4: kq/vq uchar [row, hd/2] (low nibble = even channel), ks/km/vs/vm half
-//         [row, hd/G]; asymmetric y' = q*s + m; K rotated as for int8, V not.
+//         [row, hd/G]; asymmetric y' = q*s + m; K rotated as for int8, V not. K is
+//         first shifted and scaled per channel: x = (k - koff) / kcs, koff/kcs float
+//         [Hkv, hd] of this layer (host-computed k_channel_stats, fixed by the write at
+//         position 0); dequant k' = (y' H_G) * kcs + koff.
 // f16() = round to nearest even after clipping to +-FP16_MAX (vstore_half_rte).
 // The program is built with -cl-fp32-correctly-rounded-divide-sqrt so y/s rounds like numpy.
 
@@ -22,10 +25,12 @@ inline float hadamard_at(const float* x, int i, int G_, float hs)
 #if KVQ == 8
 // Quantize k, v float32 [n_rows = T*Hkv, hd] into rows row0.. of the int8 cache.
 // One work-item per (t, h) row: the work is a few thousand flops per row.
+// koff / kcs (int4 only, NULL here): the layer's K channel statistics [Hkv, hd].
 __kernel void kv_write_q(__global char* kq, __global half* ks, __global half* km,
                          __global char* vq, __global half* vs, __global half* vm,
                          __global const float* k, __global const float* v,
-                         int row0, int n_rows, int hd, int G)
+                         __global const float* koff, __global const float* kcs,
+                         int row0, int n_rows, int hd, int G, int Hkv)
 {
     const int r = get_global_id(0);
     if (r >= n_rows) return;
@@ -78,17 +83,20 @@ inline void quant_group4(const float* y, int G_, __global uchar* q, __global hal
 __kernel void kv_write_q(__global uchar* kq, __global half* ks, __global half* km,
                          __global uchar* vq, __global half* vs, __global half* vm,
                          __global const float* k, __global const float* v,
-                         int row0, int n_rows, int hd, int G)
+                         __global const float* koff, __global const float* kcs,
+                         int row0, int n_rows, int hd, int G, int Hkv)
 {
     const int r = get_global_id(0);
     if (r >= n_rows) return;
     const size_t row = (size_t)row0 + r;
     __global const float* xk = k + (size_t)r * hd;
     __global const float* xv = v + (size_t)r * hd;
+    __global const float* mo = koff + (r % Hkv) * hd;  // this head's channel m, c
+    __global const float* co = kcs + (r % Hkv) * hd;
     const float hs = 1.0f / sqrt((float)G);
     float xg[32], y[32];
-    for (int g = 0; g < NG(hd); g++) {
-        for (int j = 0; j < G; j++) xg[j] = xk[g * G + j];
+    for (int g = 0; g < NG(hd); g++) {  // (k - m) / c: IEEE sub and (flagged) exact div
+        for (int j = 0; j < G; j++) xg[j] = (xk[g * G + j] - mo[g * G + j]) / co[g * G + j];
         for (int i = 0; i < G; i++) y[i] = hadamard_at(xg, i, G, hs);
         quant_group4(y, G, kq + row * (hd / 2) + g * G / 2, ks, km, row * NG(hd) + g);
         for (int j = 0; j < G; j++) y[j] = xv[g * G + j];
@@ -119,6 +127,7 @@ __kernel __attribute__((reqd_work_group_size(LWS, 1, 1)))
 void attention_q(__global float* out, __global const float* q,
                  __global const KQ_T* kq, __global const half* ks, __global const half* km,
                  __global const KQ_T* vq, __global const half* vs, __global const half* vm,
+                 __global const float* koff, __global const float* kcs,
                  int layer_rows, int Hq, int Hkv, int hd, int G, int start_pos, int window,
                  float scale, float softcap)
 {
@@ -132,7 +141,18 @@ void attention_q(__global float* out, __global const float* q,
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int qoff = (t * Hq + h) * hd;
     const float hs = 1.0f / sqrt((float)G);
+    float qm = 0.0f;  // int4: q . m, added to every score (k' = (y' H) * c + m)
+#if KVQ == 4
+    float qm_part = 0.0f;
+    for (int d = lid; d < hd; d += LWS) {
+        const float qv = q[qoff + d];
+        qm_part += qv * koff[kvh * hd + d];
+        qraw[d] = qv * kcs[kvh * hd + d];
+    }
+    qm = wg_sum(qm_part, red);
+#else
     for (int d = lid; d < hd; d += LWS) qraw[d] = q[qoff + d];
+#endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int d = lid; d < hd; d += LWS) {       // qs = q rotated per group
         const int i = d % G, base = d - i;
@@ -152,7 +172,7 @@ void attention_q(__global float* out, __global const float* q,
             const size_t row = ((size_t)layer_rows + j) * Hkv + kvh;
             float dotv = 0.0f;
             for (int d = 0; d < hd; d++) dotv += qs[d] * K_AT(row, d);
-            s = dotv * scale;
+            s = (dotv + qm) * scale;
             if (softcap > 0.0f) s = tanh(s / softcap) * softcap;
         }
         const float m_new = fmax(m, wg_max(s, red));

@@ -486,15 +486,18 @@ class OpenCLBackend(Backend):
         b = cache.buffers
         rows0 = cache.layer_rows(layer)
         n_rows = t * hkv
+        if kvq == 4 and start_pos == 0:  # a new sequence fixes int4's K channel statistics
+            cache.fix_k_stats(layer, self.to_host(k))
+        koff, kcs = cache.k_stat_buffers[layer]
         self._k("attention_q.cl", "kv_write_q", KVQ=kvq)(
             self.queue, self._gsize(n_rows), self._ew, b["k_q"], b["k_scale"], b.get("k_min"),
-            b["v_q"], b["v_scale"], b.get("v_min"), k.buf, v.buf,
-            _I((rows0 + start_pos) * hkv), _I(n_rows), _I(hd), _I(cache.group_size))
+            b["v_q"], b["v_scale"], b.get("v_min"), k.buf, v.buf, koff, kcs,
+            _I((rows0 + start_pos) * hkv), _I(n_rows), _I(hd), _I(cache.group_size), _I(hkv))
         lws = self.caps.lws
         self._k("attention_q.cl", "attention_q", KVQ=kvq)(
             self.queue, (hq * lws, t), (lws, 1), out.buf, q.buf, b["k_q"], b["k_scale"],
-            b.get("k_min"), b["v_q"], b["v_scale"], b.get("v_min"), _I(rows0), _I(hq), _I(hkv),
-            _I(hd), _I(cache.group_size), _I(start_pos), _I(window or 0), _F(scale),
+            b.get("k_min"), b["v_q"], b["v_scale"], b.get("v_min"), koff, kcs, _I(rows0), _I(hq),
+            _I(hkv), _I(hd), _I(cache.group_size), _I(start_pos), _I(window or 0), _F(scale),
             _F(softcap or 0.0))
         return out
 

@@ -5,8 +5,13 @@ Same bookkeeping as :class:`edgeinfer.backends.kvcache.HostKVCache` (``length``,
 ``trim``, ``reset``, overflow check) so the engine treats both alike; the data never
 leaves the device except through :meth:`DeviceKVCache.read` (tests, debugging).
 fp16 storage saturates at +-65504 on write instead of becoming inf (case C23).
+int4's K channel statistics (offset m, scale c per layer, KV head and channel) are
+computed on the host by the same :func:`~edgeinfer.backends.kvcache.k_channel_stats`
+from the first rows of a write at position 0 (one small device-to-host copy per layer
+per new sequence) and kept in a host copy and a per-layer device buffer.
 Every layer stores all ``max_tokens`` positions (no ring storage for sliding-window
-layers: the attention kernel applies the window, which is exact, only larger).
+layers yet: the attention kernel applies the window, which is exact, only larger; the
+host cache's rings are the model to follow).
 """
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ import numpy as np
 
 from ..kvcache import (
     ALL_KV_DTYPES,
+    KSTAT_POSITIONS,
     dequant_asym4,
     dequant_sym8,
     hadamard,
+    k_channel_stats,
     kv_group_size,
 )
 from .device import cl
@@ -51,6 +58,9 @@ class DeviceKVCache:
         group_size: channels per quantization group (int8/int4; ``kv_group_size(hd)``).
         buffers: name -> ``cl.Buffer`` of ``[n_layers, max_tokens, n_kv_heads, per_row]``
             elements (names as in :func:`_layout`); ``k`` / ``v`` alias the float arrays.
+        k_off, k_cs: int4 only, float32 ``[n_layers, Hkv, hd]`` host copies of the K
+            channel statistics (m = 0, c = 1 until a write at position 0); device copies
+            per layer in ``k_stat_buffers[layer]`` (not counted in ``nbytes``).
     """
 
     def __init__(self, context, queue, n_layers: int, n_kv_heads: int, head_dim: int,
@@ -80,6 +90,21 @@ class DeviceKVCache:
             self._nbytes += nbytes
         self.k = self.buffers.get("k")
         self.v = self.buffers.get("v")
+        self.k_stat_buffers = [(None, None)] * n_layers
+        if dtype == "int4":
+            self.k_off = np.zeros((n_layers, n_kv_heads, head_dim), np.float32)
+            self.k_cs = np.ones((n_layers, n_kv_heads, head_dim), np.float32)
+            self.k_stat_buffers = [(cl.Buffer(context, flags, hostbuf=self.k_off[i]),
+                                    cl.Buffer(context, flags, hostbuf=self.k_cs[i]))
+                                   for i in range(n_layers)]
+
+    def fix_k_stats(self, layer: int, k_first: np.ndarray) -> None:
+        """int4: set ``layer``'s K channel statistics from the float32 K ``[T, Hkv, hd]``
+        of a write at position 0 (its first ``KSTAT_POSITIONS`` rows), host and device."""
+        m, c = k_channel_stats(np.asarray(k_first, np.float32)[:KSTAT_POSITIONS])
+        self.k_off[layer], self.k_cs[layer] = m, c
+        for buf, arr in zip(self.k_stat_buffers[layer], (self.k_off[layer], self.k_cs[layer])):
+            cl.enqueue_copy(self._queue, buf, arr, is_blocking=True)
 
     @property
     def quantized(self) -> bool:
@@ -92,6 +117,10 @@ class DeviceKVCache:
 
     def bytes_per_token(self) -> int:
         return self._nbytes // self.max_tokens
+
+    def used_nbytes(self) -> int:
+        """Bytes of the ``length`` positions held (every layer stores all positions)."""
+        return self.length * self._nbytes // self.max_tokens
 
     def reset(self) -> None:
         self.length = 0
@@ -120,7 +149,8 @@ class DeviceKVCache:
 
     def raw(self, layer: int, end: int) -> dict[str, np.ndarray]:
         """Host copies of the storage arrays of positions 0..end-1 of ``layer``
-        (``[end, Hkv, per_row]``, names as ``HostKVCache.raw``)."""
+        (``[end, Hkv, per_row]``, names as ``HostKVCache.raw``; int4 adds ``k_off``,
+        ``k_cs`` ``[Hkv, hd]`` float32)."""
         out = {}
         for name, per_row, dt in self._layout:
             h = np.empty((end, self.n_kv_heads, per_row), dt)
@@ -128,6 +158,10 @@ class DeviceKVCache:
                 off = self.layer_rows(layer) * self.n_kv_heads * per_row * h.itemsize
                 cl.enqueue_copy(self._queue, h, self.buffers[name], src_offset=off, is_blocking=True)
             out[name] = h
+        if self.dtype == "int4":  # the layer's K channel statistics [Hkv, hd], read back
+            for name, buf in zip(("k_off", "k_cs"), self.k_stat_buffers[layer]):
+                out[name] = np.empty((self.n_kv_heads, self.head_dim), np.float32)
+                cl.enqueue_copy(self._queue, out[name], buf, is_blocking=True)
         return out
 
     def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,4 +179,6 @@ class DeviceKVCache:
             v = dequant_asym4(a["v_q"], a["v_scale"], a["v_min"])
         shp = y.shape
         k = (y.reshape(*shp[:-1], shp[-1] // g, g) @ hmat).reshape(shp)
+        if self.dtype == "int4":
+            k = k * self.k_cs[layer] + self.k_off[layer]
         return k.astype(np.float32), v.astype(np.float32)

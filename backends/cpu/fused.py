@@ -1,0 +1,172 @@
+"""Fused decode (T = 1) kernels: the two halves of a pre-norm decoder block around attention.
+
+One Numba call per half instead of one Python call per op (a SmolLM2 step is 30 layers of
+~12 small ops; their Python dispatch was 18-30% of the step):
+
+* :func:`qkv_rope` — ``h = rmsnorm(x)``; ``y = Wqkv @ h (+ b)`` (the fused q/k/v weight
+  of :meth:`CpuBackend.linear_many`); RoPE on the q and k parts of ``y``, in place.
+* :func:`out_mlp` — ``x1 = x + Wo @ a``; ``h = rmsnorm(x1)``; ``g, u = Wgu @ h``;
+  ``m = act(g) * u``; ``x_out = x1 + Wd @ m``.
+
+Each GEMV is the one of :mod:`.gemv` (int8 activations per 32-block, integer dots, 4-row
+blocks in ``prange``), so the numerics equal the unfused CPU path except the activation
+function, computed here with :func:`_exp` (a Cody-Waite + degree-6 polynomial ``exp``,
+max relative error ~2e-7 over float32's range; vectorizes, unlike a libm call).
+
+``*_par`` variants split the rows of each GEMV across Numba's threads; ``*_ser`` run on
+the calling thread (small weights, where a fork/join costs more than the work).
+All arrays are float32 C-contiguous unless stated; all outputs are preallocated by the
+caller (nothing is allocated here).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._simd import i32_as_f32
+from .elementwise import _rmsnorm_row, _rope_token
+from .gemv import _q4_block, quantize_act
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _exp(x):  # float32 -> float32, e**x; 0 below -87.3, clamped (finite) above 88.7
+    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")  # no zero-division branch: vectorizes
+def glu_rows(m, gu, gelu):  # gu[2F] = [gate | up] -> m[F] = act(gate) * up
+    """``m[i] = act(gu[i]) * gu[F + i]``; act SiLU, or GELU-tanh when ``gelu``."""
+    f = m.shape[0]
+    if gelu:
+        c = np.float32(0.7978845608028654)
+        for i in range(f):
+            g = gu[i]
+            u = c * (g + np.float32(0.044715) * g * g * g)
+            th = np.float32(1.0) - np.float32(2.0) / (_exp(np.float32(2.0) * u) + np.float32(1.0))
+            m[i] = np.float32(0.5) * g * (np.float32(1.0) + th) * gu[f + i]
+    else:
+        for i in range(f):
+            g = gu[i]
+            m[i] = g / (np.float32(1.0) + _exp(-g)) * gu[f + i]
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _rope_qk(y, cos, sin, pos, nq, nk, hd):  # RoPE on y[:nq*hd] and y[nq*hd:(nq+nk)*hd]
+    q = y[:nq * hd].reshape((nq, hd))
+    _rope_token(q, q, cos, sin, pos)
+    k = y[nq * hd:(nq + nk) * hd].reshape((nk, hd))
+    _rope_token(k, k, cos, sin, pos)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def qkv_rope_par(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd):
+    """``y[(nq + 2 nk) * hd] = RoPE_qk(Wqkv @ rmsnorm(x[0]) + bias)``, rows across threads.
+
+    ``x`` [1, D]; ``nw``, ``h`` (scratch) [D]; ``w`` = (wp, sc, sz, bmap) of the fused 4-bit
+    weight (:class:`~.repack.CpuQuantWeight` arrays); ``bias`` [rows] or [0]; ``act`` = (xq, dx, xg) scratch for D inputs;
+    ``cos``/``sin`` [P, r/2]; ``pos`` int position.
+    """
+    wp, sc, sz, bmap = w
+    xq, dx, xg = act
+    _rmsnorm_row(h, x[0], nw, np.float32(eps), off)
+    quantize_act(xq, dx, xg, h, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):
+        _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+    _rope_qk(y, cos, sin, pos, nq, nk, hd)
+
+
+@njit(cache=True, fastmath=True)
+def qkv_rope_ser(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd):
+    """As :func:`qkv_rope_par` on the calling thread."""
+    wp, sc, sz, bmap = w
+    xq, dx, xg = act
+    _rmsnorm_row(h, x[0], nw, np.float32(eps), off)
+    quantize_act(xq, dx, xg, h, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in range(nblk + out - nblk * 4):
+        _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+    _rope_qk(y, cos, sin, pos, nq, nk, hd)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def out_mlp_par(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0):
+    """``xo[0] = x1 + Wd @ act_glu(Wgu @ rmsnorm(x1))`` with ``x1 = x[0] + Wo @ a[0]``.
+
+    ``xo``, ``x`` [1, D], ``a`` [1, Hq * hd]; ``xo`` may be ``x`` (in place). ``w*`` = (wp, sc, sz, bmap) of 4-bit weights; ``act_*`` =
+    (xq, dx, xg) scratch for the inputs of Wo, Wgu, Wd; ``nob`` = (o [D], h [D],
+    gu [2F], m [F]) float32 scratch; ``bias0`` float32 [0]. Rows across threads.
+    """
+    o, h, gu, m = nob
+    wp, sc, sz, bmap = wo
+    xq, dx, xg = act_a
+    quantize_act(xq, dx, xg, a[0], bmap)
+    n = o.shape[0]
+    nblk = n // 4
+    for i in prange(nblk + n - nblk * 4):
+        _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    for i in range(n):
+        xo[0, i] = x[0, i] + o[i]
+    _rmsnorm_row(h, xo[0], nw, np.float32(eps), off)
+    wp, sc, sz, bmap = wgu
+    xq, dx, xg = act_h
+    quantize_act(xq, dx, xg, h, bmap)
+    n2 = gu.shape[0]
+    nblk2 = n2 // 4
+    for i in prange(nblk2 + n2 - nblk2 * 4):
+        _q4_block(i, nblk2, gu, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    glu_rows(m, gu, gelu)
+    wp, sc, sz, bmap = wd
+    xq, dx, xg = act_m
+    quantize_act(xq, dx, xg, m, bmap)
+    for i in prange(nblk + n - nblk * 4):
+        _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    for i in range(n):
+        xo[0, i] += o[i]
+
+
+@njit(cache=True, fastmath=True)
+def out_mlp_ser(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0):
+    """As :func:`out_mlp_par` on the calling thread."""
+    o, h, gu, m = nob
+    wp, sc, sz, bmap = wo
+    xq, dx, xg = act_a
+    quantize_act(xq, dx, xg, a[0], bmap)
+    n = o.shape[0]
+    nblk = n // 4
+    for i in range(nblk + n - nblk * 4):
+        _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    for i in range(n):
+        xo[0, i] = x[0, i] + o[i]
+    _rmsnorm_row(h, xo[0], nw, np.float32(eps), off)
+    wp, sc, sz, bmap = wgu
+    xq, dx, xg = act_h
+    quantize_act(xq, dx, xg, h, bmap)
+    n2 = gu.shape[0]
+    nblk2 = n2 // 4
+    for i in range(nblk2 + n2 - nblk2 * 4):
+        _q4_block(i, nblk2, gu, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    glu_rows(m, gu, gelu)
+    wp, sc, sz, bmap = wd
+    xq, dx, xg = act_m
+    quantize_act(xq, dx, xg, m, bmap)
+    for i in range(nblk + n - nblk * 4):
+        _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
+    for i in range(n):
+        xo[0, i] += o[i]
