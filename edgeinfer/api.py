@@ -142,11 +142,6 @@ class Model:
         self.tokenizer = tokenizer_for(source)
         name = backend or default_backend()
         kv_dtype = kv_dtype or DEFAULT_KV_DTYPE
-        if kv_dtype == "int4" and source.config.attention_bias:
-            # k_proj biases put outlier channels in K (case C27): Qwen2.5-0.5B's perplexity
-            # rises ~3x with 4-bit K; 8-bit K with 4-bit V ("k8v4") keeps it.
-            log.warning("int4 KV cache on a model with q/k/v biases (%s) degrades badly; "
-                        "kv_dtype='k8v4' keeps 8-bit keys", source.config.model_type)
         model_max = source.config.max_position_embeddings
         self.memory_plan = None
         if max_memory is not None:
