@@ -235,11 +235,12 @@ def cmd_bench(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from edgeinfer.engine import peak_rss_mb
+    from edgeinfer.engine import peak_rss_mb, reset_peak_rss, window_peak_rss_mb
 
     t0 = time.perf_counter()
     model = _load(args)
     load_s = time.perf_counter() - t0
+    reset_peak_rss()  # run_peak_rss_mb: prefill + decode only, not the load's transients
     if not args.quiet:
         _compile_notice(model)
     rng = np.random.default_rng(0)
@@ -265,6 +266,7 @@ def cmd_bench(args) -> int:
         "itl_s": med([s.itl_mean_s for s in results]),
         "generated": [s.generated_tokens for s in results],
         "peak_rss_mb": peak_rss_mb(),
+        "run_peak_rss_mb": window_peak_rss_mb(),
     }
     if args.json:
         print(json.dumps(out))

@@ -172,6 +172,7 @@ class Model:
         self.transformer = Transformer(source.config, source.tensors, self.backend,
                                        max_positions=max(n_ctx, 1))
         self.load_s = time.perf_counter() - t0
+        source.drop_resident_pages()  # the backend holds its own (repacked) copy now
         self.engine = Engine(self.transformer, self.tokenizer, n_ctx=n_ctx, kv_dtype=kv_dtype,
                              prefill_chunk=prefill_chunk)
         self._lock = threading.Lock()

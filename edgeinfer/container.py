@@ -212,8 +212,9 @@ def _json_meta(path: str, meta: dict, key: str, default: Any) -> Any:
         raise ModelFormatError(f"{path}: metadata {key!r} is not valid JSON; re-convert the model") from None
 
 
-def _map_arrays(path: str, header: dict, data_start: int, size: int) -> dict[str, np.ndarray]:
-    """name -> read-only ndarray viewing the mmapped file (no copy)."""
+def _map_arrays(path: str, header: dict, data_start: int,
+                size: int) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
+    """(name -> read-only ndarray viewing the mmapped file (no copy), the map)."""
     infos = {k: v for k, v in header.items() if k != "__metadata__"}
     end_needed = max((int(v["data_offsets"][1]) for v in infos.values()), default=0)
     if data_start + end_needed > size:
@@ -222,7 +223,7 @@ def _map_arrays(path: str, header: dict, data_start: int, size: int) -> dict[str
             f"has {size}; the copy or conversion was interrupted: re-convert or re-download it")
     out: dict[str, np.ndarray] = {}
     if not infos:
-        return out
+        return out, None
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     for name, info in infos.items():
@@ -236,7 +237,7 @@ def _map_arrays(path: str, header: dict, data_start: int, size: int) -> dict[str
         if e - b != count * np.dtype(dt).itemsize:
             raise ModelFormatError(f"{path}: tensor {name!r}: {e - b} bytes for shape {shape} {st}")
         out[name] = np.frombuffer(mm, dtype=dt, count=count, offset=data_start + b).reshape(shape)
-    return out
+    return out, mm
 
 
 def read_eif(path: str | os.PathLike) -> ModelSource:
@@ -255,7 +256,7 @@ def read_eif(path: str | os.PathLike) -> ModelSource:
     header, data_start, size = _read_header(path)
     meta = header.get("__metadata__") or {}
     _check_format(path, meta)
-    arrays = _map_arrays(path, header, data_start, size)
+    arrays, mapping = _map_arrays(path, header, data_start, size)
     try:
         config = ModelConfig.from_hf_dict(_json_meta(path, meta, "config", None) or {})
     except (ConfigError, TypeError, KeyError) as e:
@@ -292,6 +293,7 @@ def read_eif(path: str | os.PathLike) -> ModelSource:
         generation=_json_meta(path, meta, "generation", {}),
         provenance={**_json_meta(path, meta, "provenance", {}), "quantization": quant,
                     "format_version": int(meta["format_version"])},
+        mapping=mapping,
     )
     if config.tie_word_embeddings:
         src.shapes.pop("lm_head.weight", None)  # tied: a stray head is never used

@@ -87,6 +87,31 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (``VmHWM``) at the current RSS, so that
+    :func:`window_peak_rss_mb` measures a phase (e.g. decode, after loading). Linux 4.0+
+    (``/proc/self/clear_refs``, value 5); returns False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_mb() -> float:
+    """Peak RSS in MiB since the last :func:`reset_peak_rss` (``VmHWM``), or the process
+    lifetime's peak where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return peak_rss_mb()
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))

@@ -59,6 +59,7 @@ class ModelSource:
         add_bos_token: whether plain-text prompts get a BOS prepended.
         generation: generation_config values (``eos_token_id`` list, sampling defaults).
         provenance: format-specific facts (sha256, quantization, converter settings).
+        mapping: the read-only ``mmap`` the tensors view (``.eif``), or None.
     """
 
     path: str
@@ -73,6 +74,24 @@ class ModelSource:
     add_bos_token: bool = False
     generation: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
+    mapping: Any = None
+
+    def drop_resident_pages(self) -> None:
+        """Give back the resident pages of the file mapping (``.eif``: ``mapping`` is its
+        read-only ``mmap``) once a backend has copied what it needs.
+
+        A backend that repacks every weight leaves the mapped pages it read resident and
+        counted in RSS (Qwen2.5-0.5B: +469 MB, the whole file). ``MADV_DONTNEED`` on a
+        read-only file mapping only unmaps them: a tensor still viewed is re-read from the
+        page cache on its next access, so this is always safe. No-op where unsupported.
+        """
+        import mmap
+
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self.mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # closed map or a platform refusing the advice
+                pass
 
     def validate(self) -> None:
         """Strict check: every tensor the architecture needs is present with its shape.
