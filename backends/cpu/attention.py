@@ -238,22 +238,26 @@ def _scores(s, qs, kc, kh, lo, n, kpos, linear, p, window):  # s[grp, n] = qs . 
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def exp_neg(x):  # float32 x <= 0 -> exp(x); 0 below -87 (and for -inf)
-    """Vectorizable float32 ``exp`` for non-positive arguments (Cephes ``expf``:
-    2^k * polynomial on |r| <= ln2/2, ~1 ulp); arguments below -87 give exactly 0."""
-    xc = max(x, np.float32(-87.0))
-    k = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = xc - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
-    z = r * r
+def exp_f32(x):  # float32 -> float32, e**x; 0 below -87.3, clamped (finite) above 88.7
+    """Vectorizable float32 ``exp`` (Cephes ``expf``: 2^k * a degree-6 polynomial on
+    |r| <= ln2/2, ~1 ulp, max relative error ~2e-7); unlike a libm call it vectorizes."""
+    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
     p = p * r + np.float32(8.3334519073e-3)
     p = p * r + np.float32(4.1665795894e-2)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
-    y = p * z + r + np.float32(1.0)
-    e = y * i32_as_f32((np.int32(k) + np.int32(127)) << np.int32(23))
-    return e if x >= np.float32(-87.0) else np.float32(0.0)
+    p = p * (r * r) + r + np.float32(1.0)
+    return p * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def exp_neg(x):  # float32 x <= 0 -> exp(x); 0 below -87 (and for -inf, NaN)
+    """:func:`exp_f32` for softmax arguments (x - max <= 0); exactly 0 below -87."""
+    return exp_f32(x) if x >= np.float32(-87.0) else np.float32(0.0)
 
 
 @njit(cache=True, fastmath=_FM, inline="always")

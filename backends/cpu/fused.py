@@ -10,7 +10,7 @@ One Numba call per half instead of one Python call per op (a SmolLM2 step is 30 
 
 Each GEMV is the one of :mod:`.gemv` (int8 activations per 32-block, integer dots, 4-row
 blocks in ``prange``), so the numerics equal the unfused CPU path except the activation
-function, computed here with :func:`_exp` (a Cody-Waite + degree-6 polynomial ``exp``,
+function, computed with :func:`.attention.exp_f32` (a Cody-Waite + degree-6 polynomial ``exp``,
 max relative error ~2e-7 over float32's range; vectorizes, unlike a libm call).
 
 ``*_par`` variants split the rows of each GEMV across Numba's threads; ``*_ser`` run on
@@ -23,28 +23,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import i32_as_f32
+from .attention import exp_f32
 from .elementwise import _rmsnorm_row, _rope_token
 from .gemv import _q4_block, quantize_act
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _exp(x):  # float32 -> float32, e**x; 0 below -87.3, clamped (finite) above 88.7
-    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
-    n = np.floor(x * _LOG2E + np.float32(0.5))
-    r = x - n * _LN2_HI - n * _LN2_LO
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    return p * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+_exp = exp_f32
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")  # no zero-division branch: vectorizes
