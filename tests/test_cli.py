@@ -124,26 +124,22 @@ def test_chat_first_run_converts_to_int4_once_then_loads_the_eif(smollm2_gguf, t
     env = {**os.environ, "EDGEINFER_HOME": str(home)}
     script = "What is the capital of France?\n/stats\n"
     args = ("chat", "--temperature", "0", "-n", "12")
-    t = time.perf_counter()
     first = run_cli(*args, input=script, env=env)
-    first_s = time.perf_counter() - t
     assert first.returncode == 0, first.stderr
     eif = home / "models" / "smollm2-135m-instruct.int4.eif"
     assert "first run: converting smollm2-135m-instruct to INT4" in first.stderr
     assert str(eif) in first.stderr and "converted in" in first.stderr
     assert eif.exists() and not list((home / "models").glob(".eif-*.tmp"))
     assert "Paris" in first.stdout, first.stdout
-    # the INT4 file, not the float32-dequantized GGUF (about 840 MiB peak)
-    assert _peak_rss(first.stdout) < 600
 
-    t = time.perf_counter()
     again = run_cli(*args, input=script, env=env)
-    again_s = time.perf_counter() - t
     assert again.returncode == 0, again.stderr
     assert "first run" not in again.stderr and "converted" not in again.stderr
     assert again.stdout == first.stdout.replace(
         re.search(r"\[.*\]", first.stdout)[0], re.search(r"\[.*\]", again.stdout)[0])
-    assert again_s < first_s  # no conversion: seconds less
+    # the INT4 file, not the float32-dequantized GGUF (about 840 MiB peak). Only a later
+    # run is bounded: the first one's peak includes the conversion in the same process.
+    assert _peak_rss(again.stdout) < 600
 
     # an explicit GGUF path still runs as it is (dequantized: more memory)
     gguf = run_cli(*args, "-m", str(home / "models" / smollm2_gguf.name), input=script, env=env)
