@@ -204,3 +204,12 @@ def test_load_runs_a_catalog_name_as_int4_unless_told_not_to(monkeypatch, storie
     assert seen == [("prepare", name, conv), ("pull", name), ("pull", name)]
     # the existing-file and GGUF-returning paths are unchanged
     assert catalog.resolve_model(stories_dir, prepare_int4=True) == stories_dir
+
+
+def test_a_cached_int4_file_is_used_without_a_converter(monkeypatch, tmp_path):
+    name = "smollm2-135m-instruct"
+    eif = tmp_path / f"{name}.int4.eif"
+    eif.write_bytes(b"eif")
+    monkeypatch.setattr(catalog, "prepared_path", lambda n: eif)
+    monkeypatch.setattr(catalog, "pull", lambda n, **kw: pytest.fail("pulled"))
+    assert catalog.resolve_model(name, prepare_int4=True) == eif

@@ -85,6 +85,19 @@ def physical_cores() -> int:
     return max(1, len(seen))
 
 
+def _is_gelu(act: str) -> bool:
+    """True for GELU-tanh, False for SiLU gating.
+
+    Raises:
+        ValueError: any other activation name.
+    """
+    if act == "silu":
+        return False
+    if act in ("gelu_tanh", "gelu_pytorch_tanh"):
+        return True
+    raise ValueError(f"unsupported activation {act!r}")
+
+
 class CpuBackend(Backend):
     """Numba CPU implementation of :class:`~edgeinfer.backends.base.Backend`.
 
@@ -302,12 +315,7 @@ class CpuBackend(Backend):
         Raises:
             ValueError: unknown activation.
         """
-        if act == "silu":
-            gelu = False
-        elif act in ("gelu_tanh", "gelu_pytorch_tanh"):
-            gelu = True
-        else:
-            raise ValueError(f"unsupported activation {act!r}")
+        gelu = _is_gelu(act)
         e = self._dec.get(("mlp", id(wo)))
         if e is None:
             e = self._dec[("mlp", id(wo))] = self._prep_mlp(wo, w_gate, w_up, w_down)
@@ -469,12 +477,7 @@ class CpuBackend(Backend):
         Raises:
             ValueError: unknown activation.
         """
-        if act == "silu":
-            gelu = False
-        elif act in ("gelu_tanh", "gelu_pytorch_tanh"):
-            gelu = True
-        else:
-            raise ValueError(f"unsupported activation {act!r}")
+        gelu = _is_gelu(act)
         g = np.asarray(gate, dtype=np.float32)
         if gelu:  # 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * up
             y = g * g
