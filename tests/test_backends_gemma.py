@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from edgeinfer.backends import get_backend
 from edgeinfer.models.arch import tensor_specs
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.transformer import Transformer
+from greedy import greedy
 
 
 def _tiny_gemma():
@@ -25,29 +25,17 @@ def _tiny_gemma():
     return cfg, tensors
 
 
-def _greedy(model, prompt, n, chunk):
-    cache = model.new_cache(64, "int8", max_chunk=chunk)
-    logits = None
-    for s in range(0, len(prompt), chunk):
-        logits = model.forward(np.asarray(prompt[s:s + chunk]), cache)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits = model.forward(np.asarray([t]), cache)
-    return out
-
-
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
 def test_windowed_model_matches_reference_after_the_window_wraps(backend):
     if backend == "opencl":
         pytest.importorskip("pyopencl", reason="pyopencl[pocl] is needed for the OpenCL backend")
     cfg, tensors = _tiny_gemma()
     prompt = list(np.random.default_rng(2).integers(0, 64, 13))
-    ref = _greedy(Transformer(cfg, tensors, get_backend("reference")), prompt, 12, 4)
+    ref = greedy(Transformer(cfg, tensors, get_backend("reference")), prompt, 12, "int8", chunk=4,
+                 cache_tokens=64)
     try:
         be = get_backend(backend)
     except Exception as e:  # no OpenCL platform here
         pytest.skip(f"{backend} backend unavailable: {e}")
-    got = _greedy(Transformer(cfg, tensors, be), prompt, 12, 4)
+    got = greedy(Transformer(cfg, tensors, be), prompt, 12, "int8", chunk=4, cache_tokens=64)
     assert got == ref

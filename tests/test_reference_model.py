@@ -3,22 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.transformer import Transformer
+from greedy import greedy
 
 GOLDEN = ", there was a little girl named Lily. She loved to play outside in the park."
-
-
-def _greedy(model, ids, n):
-    cache = model.new_cache(len(ids) + n + 1)
-    logits = model.forward(np.asarray(ids), cache)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits = model.forward(np.asarray([t]), cache)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def test_golden_greedy_text_from_hf_folder_and_gguf(stories_sources):
         ids = tok.encode("Once upon a time", add_special=True)
         assert ids[0] == 1, "stories260K prompts start with BOS (id 1)"
         model = Transformer(src.config, src.tensors, ReferenceBackend())
-        gen = _greedy(model, ids, 32)
+        gen = greedy(model, ids, 32)
         text = tok.decode(gen)
         assert text.startswith(GOLDEN), text
         outs.append(gen)
@@ -72,8 +61,8 @@ def test_all_logits_match_last_logits(stories_sources):
 
 def test_sliding_window_decode_equals_full_recompute():
     """Case C22: W=4, query i sees keys j with 0 <= i - j <= 3; cached decode == recompute."""
-    from edgeinfer.models.config import ModelConfig
     from edgeinfer.models.arch import tensor_specs
+    from edgeinfer.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf_dict(dict(
         model_type="mistral", vocab_size=32, hidden_size=16, intermediate_size=24,

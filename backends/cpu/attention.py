@@ -69,6 +69,18 @@ def _ov_store_val(v, like):
     return lambda v, like: np.float32(v)
 
 
+@njit(cache=True, fastmath=_FM, inline="always")
+def _append_kv(kc, vc, k, v, start):
+    """Write k, v [T, Hkv, hd] float32 into cache rows start..start+T-1 (float32, or
+    uint16 f16 bits: :func:`_store_val` converts)."""
+    t_n, hkv, hd = k.shape
+    for t in range(t_n):
+        for h in range(hkv):
+            for d in range(hd):
+                kc[start + t, h, d] = _store_val(k[t, h, d], kc)
+                vc[start + t, h, d] = _store_val(v[t, h, d], vc)
+
+
 @njit(parallel=True, cache=True, fastmath=_FM)
 def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, scr):
     """out[T, Hq, hd] = softmax(q . K^T * scale) V over the causal (windowed) past.
@@ -88,15 +100,11 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, 
         scr: float32 [rows, cols] per-item scratch (:func:`decode_scratch`), or [0, 0]:
             an item whose row is missing or too short allocates its own (prefill).
     """
-    t_n, hq, hd = q.shape
+    t_n, hq = q.shape[0], q.shape[1]
     hkv = k.shape[1]
     grp = hq // hkv
     if write:
-        for t in range(t_n):
-            for h in range(hkv):
-                for d in range(hd):
-                    kc[start + t, h, d] = _store_val(k[t, h, d], kc)
-                    vc[start + t, h, d] = _store_val(v[t, h, d], vc)
+        _append_kv(kc, vc, k, v, start)
     split = 2 if (t_n == 1 and grp > 1) else 1
     for item in prange(t_n * hkv * split):
         _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, split, scr)
@@ -105,14 +113,9 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, 
 @njit(cache=True, fastmath=_FM)
 def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, scr):
     """As :func:`attention` on the calling thread (short decode contexts: no fork/join)."""
-    t_n, hq, hd = q.shape
-    hkv = k.shape[1]
+    t_n, hkv = q.shape[0], k.shape[1]
     if write:
-        for t in range(t_n):
-            for h in range(hkv):
-                for d in range(hd):
-                    kc[start + t, h, d] = _store_val(k[t, h, d], kc)
-                    vc[start + t, h, d] = _store_val(v[t, h, d], vc)
+        _append_kv(kc, vc, k, v, start)
     for item in range(t_n * hkv):
         _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1, scr)
 
