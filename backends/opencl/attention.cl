@@ -1,5 +1,8 @@
 // KV-cache write and causal GQA attention over the on-device cache.
-// Cache layout: K, V [L, S, Hkv, hd] (S = max_tokens), element type per variant KV_HALF:
+// Cache layout: per layer a ring of S slots [S, Hkv, hd], layers stacked (layer_off = the
+// layer's first element); position p lives in slot p % S (S = max_tokens for a global
+// layer, W - 1 + max_chunk for a sliding-window one: edgeinfer.backends.kvcache's rule,
+// so every key a query can see is still held). Element type per variant KV_HALF:
 // fp16 storage via vstore_half / vload_half (core OpenCL, no cl_khr_fp16 needed), values
 // saturated to +-FP16_MAX on store so an outlier never becomes inf (case C23).
 // All score and softmax arithmetic is float32.
@@ -16,19 +19,26 @@
 
 #define DPT ((MAX_HD + LWS - 1) / LWS)     // output dims per work-item
 
-// kc[off + i] = k[i], vc[off + i] = v[i] for i < n; off = (layer*S + start_pos)*Hkv*hd,
-// n = T*Hkv*hd (k, v [T, Hkv, hd] float32).
+// Slot of key position j when slot s0 holds position j0 <= j and j - j0 < S (a query's
+// keys always span <= S positions): no integer division in the inner loops.
+#define SLOT(s0, jj, S) ((s0) + (jj) < (S) ? (s0) + (jj) : (s0) + (jj) - (S))
+
+// k, v [T, Hkv, hd] float32 (row = Hkv*hd elements per position, n = T*row) into the
+// slots of positions start_pos .. start_pos+T-1 of the layer at element layer_off.
 __kernel void kv_write(__global KV_T* kc, __global KV_T* vc, __global const float* k,
-                       __global const float* v, int off, int n)
+                       __global const float* v, int layer_off, int start_pos, int S, int row,
+                       int n)
 {
     const int i = get_global_id(0);
     if (i >= n) return;
-    KV_STORE(k[i], kc, off + i);
-    KV_STORE(v[i], vc, off + i);
+    const int dst = layer_off + ((start_pos + i / row) % S) * row + i % row;
+    KV_STORE(k[i], kc, dst);
+    KV_STORE(v[i], vc, dst);
 }
 
 // Decode fusion (T = 1) of rope(q), rope(k) and kv_write: qo[Hq, hd] = rope(q),
-// kc[off + i] = rope(k)[i], vc[off + i] = v[i] (i < Hkv*hd), all at position pos. Same
+// kc[off + i] = rope(k)[i], vc[off + i] = v[i] (i < Hkv*hd), all at position pos
+// (off = the element offset of pos's slot, computed by the host). Same
 // rotation as dense.cl's rope (NeoX pairs (d, d + r2), dims >= 2*r2 copied).
 // One item per element of q, then k, then v: global >= (Hq + 2*Hkv) * hd.
 inline float rope_at(__global const float* x, __global const float* cosv,
@@ -63,7 +73,8 @@ __kernel void rope_kv_write(__global float* qo, __global KV_T* kc, __global KV_T
 }
 
 // out[T, Hq, hd] = softmax_j(q[t,h] . K[j, h/(Hq/Hkv)] * scale) @ V over keys
-// lo <= j <= p, p = start_pos + t, lo = max(0, p - window + 1) (window 0 = global).
+// lo <= j <= p, p = start_pos + t, lo = max(0, p - window + 1) (window 0 = global); key
+// j read from slot j % S of the layer at element layer_off.
 // One work-group per (h, t). Keys are visited in blocks of LWS (one key per item) with
 // an online softmax (Milakov & Gimelshein 2018; FlashAttention): running max m and
 // denominator l in float32, scores max-subtracted before exp, so large |q.k| (C23a)
@@ -72,7 +83,7 @@ __kernel void rope_kv_write(__global float* qo, __global KV_T* kc, __global KV_T
 // Optional logit soft-capping: s = tanh(s / softcap) * softcap (gemma2-style).
 __kernel __attribute__((reqd_work_group_size(LWS, 1, 1)))
 void attention(__global float* out, __global const float* q, __global const KV_T* kc,
-               __global const KV_T* vc, int layer_off, int Hq, int Hkv, int hd,
+               __global const KV_T* vc, int layer_off, int S, int Hq, int Hkv, int hd,
                int start_pos, int window, float scale, float softcap)
 {
     __local float qs[MAX_HD];
@@ -92,11 +103,12 @@ void attention(__global float* out, __global const float* q, __global const KV_T
     float acc[DPT];
     for (int i = 0; i < DPT; i++) acc[i] = 0.0f;
     for (int j0 = lo; j0 <= p; j0 += LWS) {
-        const int j = j0 + lid;
+        const int j = j0 + lid, s0 = j0 % S;
         float s = -INFINITY;
         if (j <= p) {
+            const int kj = kbase + SLOT(s0, lid, S) * row;
             float dotv = 0.0f;
-            for (int d = 0; d < hd; d++) dotv += qs[d] * KV_LOAD(kc, kbase + j * row + d);
+            for (int d = 0; d < hd; d++) dotv += qs[d] * KV_LOAD(kc, kj + d);
             s = dotv * scale;
             if (softcap > 0.0f) s = tanh(s / softcap) * softcap;
         }
@@ -110,7 +122,8 @@ void attention(__global float* out, __global const float* q, __global const KV_T
             const int d = lid + i * LWS;
             if (d < hd) {
                 float a = acc[i] * alpha;
-                for (int jj = 0; jj < nb; jj++) a += ps[jj] * KV_LOAD(vc, kbase + (j0 + jj) * row + d);
+                for (int jj = 0; jj < nb; jj++)
+                    a += ps[jj] * KV_LOAD(vc, kbase + SLOT(s0, jj, S) * row + d);
                 acc[i] = a;
             }
         }
@@ -132,7 +145,7 @@ void attention(__global float* out, __global const float* q, __global const KV_T
 // More work-groups in flight than heads alone give when T is 1 (decode).
 __kernel __attribute__((reqd_work_group_size(LWS, 1, 1)))
 void attention_split(__global float* part, __global const float* q, __global const KV_T* kc,
-                     __global const KV_T* vc, int layer_off, int Hq, int Hkv, int hd,
+                     __global const KV_T* vc, int layer_off, int S, int Hq, int Hkv, int hd,
                      int start_pos, int window, float scale, float softcap, int C, int nsplit)
 {
     __local float qs[MAX_HD];
@@ -154,11 +167,12 @@ void attention_split(__global float* part, __global const float* q, __global con
     float acc[DPT];
     for (int i = 0; i < DPT; i++) acc[i] = 0.0f;
     for (int j0 = lo; j0 <= hi; j0 += LWS) {      // uniform: lo, hi are per work-group
-        const int j = j0 + lid;
+        const int j = j0 + lid, s0 = j0 % S;
         float s = -INFINITY;
         if (j <= hi) {
+            const int kj = kbase + SLOT(s0, lid, S) * row;
             float dotv = 0.0f;
-            for (int d = 0; d < hd; d++) dotv += qs[d] * KV_LOAD(kc, kbase + j * row + d);
+            for (int d = 0; d < hd; d++) dotv += qs[d] * KV_LOAD(kc, kj + d);
             s = dotv * scale;
             if (softcap > 0.0f) s = tanh(s / softcap) * softcap;
         }
@@ -172,7 +186,8 @@ void attention_split(__global float* part, __global const float* q, __global con
             const int d = lid + i * LWS;
             if (d < hd) {
                 float a = acc[i] * alpha;
-                for (int jj = 0; jj < nb; jj++) a += ps[jj] * KV_LOAD(vc, kbase + (j0 + jj) * row + d);
+                for (int jj = 0; jj < nb; jj++)
+                    a += ps[jj] * KV_LOAD(vc, kbase + SLOT(s0, jj, S) * row + d);
                 acc[i] = a;
             }
         }

@@ -1,7 +1,8 @@
 // Quantized KV cache (int8 / int4, variant KVQ = 8 or 4): write (quantize) and causal
 // GQA attention reading the codes directly. Formats: edgeinfer.backends.kvcache (the one
 // source of truth; its module docstring has the formulas), per layer / position p / KV
-// head h, "row" = (layer*S + p)*Hkv + h, G = kv group size (power of two <= 32):
+// head h, "row" = (layer_rows + p % S)*Hkv + h, G = kv group size (power of two <= 32);
+// layer_rows = the layer's first slot, S its ring length (attention.cl's layout comment):
 //   int8: kq char [row, hd] = codes of K rotated per group by the Hadamard matrix H_G,
 //         ks half [row, hd/G]; vq char [row, hd], vs half [row] (one scale per head).
 //   int4: kq/vq uchar [row, hd/2] (low nibble = even channel), ks/km/vs/vm half
@@ -23,18 +24,19 @@ inline float hadamard_at(const float* x, int i, int G_, float hs)
 }
 
 #if KVQ == 8
-// Quantize k, v float32 [n_rows = T*Hkv, hd] into rows row0.. of the int8 cache.
+// Quantize k, v float32 [n_rows = T*Hkv, hd] (positions start_pos..) into the int8 cache.
 // One work-item per (t, h) row: the work is a few thousand flops per row.
 // koff / kcs (int4 only, NULL here): the layer's K channel statistics [Hkv, hd].
 __kernel void kv_write_q(__global char* kq, __global half* ks, __global half* km,
                          __global char* vq, __global half* vs, __global half* vm,
                          __global const float* k, __global const float* v,
                          __global const float* koff, __global const float* kcs,
-                         int row0, int n_rows, int hd, int G, int Hkv)
+                         int layer_rows, int start_pos, int S, int n_rows, int hd, int G,
+                         int Hkv)
 {
     const int r = get_global_id(0);
     if (r >= n_rows) return;
-    const size_t row = (size_t)row0 + r;
+    const size_t row = ((size_t)layer_rows + (start_pos + r / Hkv) % S) * Hkv + r % Hkv;
     __global const float* xk = k + (size_t)r * hd;
     __global const float* xv = v + (size_t)r * hd;
     const float hs = 1.0f / sqrt((float)G);
@@ -84,11 +86,12 @@ __kernel void kv_write_q(__global uchar* kq, __global half* ks, __global half* k
                          __global uchar* vq, __global half* vs, __global half* vm,
                          __global const float* k, __global const float* v,
                          __global const float* koff, __global const float* kcs,
-                         int row0, int n_rows, int hd, int G, int Hkv)
+                         int layer_rows, int start_pos, int S, int n_rows, int hd, int G,
+                         int Hkv)
 {
     const int r = get_global_id(0);
     if (r >= n_rows) return;
-    const size_t row = (size_t)row0 + r;
+    const size_t row = ((size_t)layer_rows + (start_pos + r / Hkv) % S) * Hkv + r % Hkv;
     __global const float* xk = k + (size_t)r * hd;
     __global const float* xv = v + (size_t)r * hd;
     __global const float* mo = koff + (r % Hkv) * hd;  // this head's channel m, c
@@ -119,6 +122,8 @@ inline float q4_at(__global const uchar* q, __global const half* s, __global con
 
 #define DPT ((MAX_HD + LWS - 1) / LWS)
 
+#define SLOT(s0, jj, S) ((s0) + (jj) < (S) ? (s0) + (jj) : (s0) + (jj) - (S))  // attention.cl
+
 // out[T, Hq, hd] = causal GQA attention over the quantized cache (same contract and
 // online softmax as attention.cl). The query is rotated once per group (q . k' =
 // (q H_G) . y' since H_G is orthonormal and symmetric), then dotted with the
@@ -128,8 +133,8 @@ void attention_q(__global float* out, __global const float* q,
                  __global const KQ_T* kq, __global const half* ks, __global const half* km,
                  __global const KQ_T* vq, __global const half* vs, __global const half* vm,
                  __global const float* koff, __global const float* kcs,
-                 int layer_rows, int Hq, int Hkv, int hd, int G, int start_pos, int window,
-                 float scale, float softcap)
+                 int layer_rows, int S, int Hq, int Hkv, int hd, int G, int start_pos,
+                 int window, float scale, float softcap)
 {
     __local float qraw[MAX_HD];
     __local float qs[MAX_HD];
@@ -166,10 +171,10 @@ void attention_q(__global float* out, __global const float* q,
     float acc[DPT];
     for (int i = 0; i < DPT; i++) acc[i] = 0.0f;
     for (int j0 = lo; j0 <= p; j0 += LWS) {
-        const int j = j0 + lid;
+        const int j = j0 + lid, s0 = j0 % S;
         float s = -INFINITY;
         if (j <= p) {
-            const size_t row = ((size_t)layer_rows + j) * Hkv + kvh;
+            const size_t row = ((size_t)layer_rows + SLOT(s0, lid, S)) * Hkv + kvh;
             float dotv = 0.0f;
             for (int d = 0; d < hd; d++) dotv += qs[d] * K_AT(row, d);
             s = (dotv + qm) * scale;
@@ -186,7 +191,7 @@ void attention_q(__global float* out, __global const float* q,
             if (d < hd) {
                 float a = acc[i] * alpha;
                 for (int jj = 0; jj < nb; jj++)
-                    a += ps[jj] * V_AT(((size_t)layer_rows + j0 + jj) * Hkv + kvh, d);
+                    a += ps[jj] * V_AT(((size_t)layer_rows + SLOT(s0, jj, S)) * Hkv + kvh, d);
                 acc[i] = a;
             }
         }

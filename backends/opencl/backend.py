@@ -218,24 +218,20 @@ class OpenCLBackend(Backend):
 
     def new_kv_cache(self, n_layers, n_kv_heads, head_dim, max_tokens, dtype="f32",
                      window_sizes=None, max_chunk=None) -> DeviceKVCache:
-        """A :class:`DeviceKVCache` of ``max_tokens`` positions per layer.
-
-        ``dtype`` "f32" / "f16" (plain storage) or "int8" / "int4" (the formats of
-        :mod:`edgeinfer.backends.kvcache`, quantized on write by a kernel).
-
-        ``window_sizes`` / ``max_chunk`` (the host cache's ring storage for sliding-window
-        layers) are accepted and ignored: every layer stores all ``max_tokens`` positions
-        and the attention kernel applies the window, which is exact, only larger.
+        """A :class:`DeviceKVCache`: per layer a ring of ``max_tokens`` slots, or for a
+        sliding-window layer ``min(max_tokens, W - 1 + max_chunk)`` (the host cache's
+        rule and byte count). ``dtype`` "f32" / "f16" (plain) or "int8" / "int4" (the
+        formats of :mod:`edgeinfer.backends.kvcache`, quantized on write by a kernel).
 
         Raises:
-            ValueError: an unknown dtype, head_dim above the kernel limit, or a cache
-                beyond 32-bit indexing.
+            ValueError: an unknown dtype, head_dim above the kernel limit, bad windows, or
+                a cache beyond 32-bit indexing.
         """
         if head_dim > self.caps.max_hd:
             raise ValueError(f"head_dim {head_dim} exceeds the attention kernel's limit "
                              f"{self.caps.max_hd}")
         return DeviceKVCache(self.context, self.queue, n_layers, n_kv_heads, head_dim,
-                             max_tokens, dtype)
+                             max_tokens, dtype, window_sizes, max_chunk)
 
     def reshape(self, x, shape):
         """A view of x with a new shape (no copy)."""
@@ -378,7 +374,7 @@ class OpenCLBackend(Backend):
             ValueError: a position outside the table, or rotary dims > hd.
         """
         x, cos, sin = self._check(x, "x"), self._check(cos, "cos"), self._check(sin, "sin")
-        t, h, hd = x.shape
+        t, _, hd = x.shape
         max_pos, r2 = cos.shape
         if 2 * r2 > hd:
             raise ValueError(f"rotary dims {2 * r2} exceed head dim {hd}")
@@ -401,7 +397,7 @@ class OpenCLBackend(Backend):
 
     def _rope_into(self, out, x, cos, sin, p0, positions):
         """rope of x into buffer ``out``; positions p0.. (or the int32 array ``positions``)."""
-        t, h, hd = x.shape
+        _, h, hd = x.shape
         r2 = cos.shape[1]
         pos = None if positions is None else self._host_ints(positions)
         total = x.size
@@ -415,10 +411,12 @@ class OpenCLBackend(Backend):
         Query t (position p = start_pos + t), head h attends keys max(0, p - window + 1)
         .. p of KV head h // (Hq / Hkv); scores q.k * scale (tanh soft-capped if
         ``softcap``), softmax in float32 with the running max subtracted (case C23). The
-        cache may be f32 / f16 (attention.cl) or int8 / int4 (attention_q.cl).
+        cache may be f32 / f16 (attention.cl) or int8 / int4 (attention_q.cl); positions
+        live in slot ``p % S`` of the layer's ring (:mod:`.kvcache`).
 
         Raises:
-            ValueError: cache overflow, bad window, head counts that do not group.
+            ValueError: cache overflow, bad window, head counts that do not group, a chunk
+                or window larger than a ring layer was sized for.
         """
         q, k, v = self._check(q, "q"), self._check(k, "k"), self._check(v, "v")
         if not isinstance(cache, DeviceKVCache):
@@ -432,12 +430,13 @@ class OpenCLBackend(Backend):
                              f"got k of {hkv} x {hd}")
         if window is not None and window < 1:
             raise ValueError(f"sliding window must be >= 1, got {window}")
-        cache.check_room(start_pos, t)
+        ring = cache.begin_write(layer, start_pos, t, window)  # slots S: position p -> p % S
         out = self._new((t, hq, hd))
         if t == 0:
             return out
         if cache.quantized:
-            return self._attention_q(out, q, k, v, cache, layer, start_pos, scale, window, softcap)
+            return self._attention_q(out, q, k, v, cache, layer, start_pos, scale, window,
+                                     softcap, ring)
         off = cache.layer_offset(layer)
         kv_half = int(cache.dtype == "f16")
         n = t * hkv * hd
@@ -452,11 +451,11 @@ class OpenCLBackend(Backend):
             self._k("attention.cl", "rope_kv_write", KV_HALF=kv_half)(
                 self.queue, self._gsize(total), self._ew, q.buf, cache.k, cache.v, qn.x.buf,
                 kn.x.buf, v.buf, qn.cos.buf, qn.sin.buf, _I(start_pos), _I(hq), _I(hkv),
-                _I(hd), _I(qn.cos.shape[1]), _I(off + start_pos * hkv * hd))
+                _I(hd), _I(qn.cos.shape[1]), _I(off + start_pos % ring * hkv * hd))
         else:
             self._k("attention.cl", "kv_write", KV_HALF=kv_half)(
                 self.queue, self._gsize(n), self._ew, cache.k, cache.v, k.buf, v.buf,
-                _I(off + start_pos * hkv * hd), _I(n))
+                _I(off), _I(start_pos), _I(ring), _I(hkv * hd), _I(n))
         lws = self.caps.lws
         c = self.caps.split_kv_chunk
         n_keys = start_pos + t if window is None else min(start_pos + t, window + t - 1)
@@ -466,19 +465,19 @@ class OpenCLBackend(Backend):
             part = self._new((t, hq, nsplit, hd + 2))
             self._k("attention.cl", "attention_split", KV_HALF=kv_half)(
                 self.queue, (hq * lws, t, nsplit), (lws, 1, 1), part.buf, q.buf, cache.k,
-                cache.v, _I(off), _I(hq), _I(hkv), _I(hd), _I(start_pos), _I(window or 0),
-                _F(scale), _F(softcap or 0.0), _I(c), _I(nsplit))
+                cache.v, _I(off), _I(ring), _I(hq), _I(hkv), _I(hd), _I(start_pos),
+                _I(window or 0), _F(scale), _F(softcap or 0.0), _I(c), _I(nsplit))
             self._k("attention.cl", "attention_combine", KV_HALF=kv_half)(
                 self.queue, (hq * lws, t), (lws, 1), out.buf, part.buf, _I(hq), _I(hd),
                 _I(nsplit))
             return out
         self._k("attention.cl", "attention", KV_HALF=kv_half)(
             self.queue, (hq * lws, t), (lws, 1), out.buf, q.buf, cache.k, cache.v, _I(off),
-            _I(hq), _I(hkv), _I(hd), _I(start_pos), _I(window or 0), _F(scale),
+            _I(ring), _I(hq), _I(hkv), _I(hd), _I(start_pos), _I(window or 0), _F(scale),
             _F(softcap or 0.0))
         return out
 
-    def _attention_q(self, out, q, k, v, cache, layer, start_pos, scale, window, softcap):
+    def _attention_q(self, out, q, k, v, cache, layer, start_pos, scale, window, softcap, ring):
         """attention() on an int8 / int4 cache: quantize-on-write, then read codes."""
         t, hq, hd = q.shape
         hkv = cache.n_kv_heads
@@ -492,13 +491,14 @@ class OpenCLBackend(Backend):
         self._k("attention_q.cl", "kv_write_q", KVQ=kvq)(
             self.queue, self._gsize(n_rows), self._ew, b["k_q"], b["k_scale"], b.get("k_min"),
             b["v_q"], b["v_scale"], b.get("v_min"), k.buf, v.buf, koff, kcs,
-            _I((rows0 + start_pos) * hkv), _I(n_rows), _I(hd), _I(cache.group_size), _I(hkv))
+            _I(rows0), _I(start_pos), _I(ring), _I(n_rows), _I(hd), _I(cache.group_size),
+            _I(hkv))
         lws = self.caps.lws
         self._k("attention_q.cl", "attention_q", KVQ=kvq)(
             self.queue, (hq * lws, t), (lws, 1), out.buf, q.buf, b["k_q"], b["k_scale"],
-            b.get("k_min"), b["v_q"], b["v_scale"], b.get("v_min"), koff, kcs, _I(rows0), _I(hq),
-            _I(hkv), _I(hd), _I(cache.group_size), _I(start_pos), _I(window or 0), _F(scale),
-            _F(softcap or 0.0))
+            b.get("k_min"), b["v_q"], b["v_scale"], b.get("v_min"), koff, kcs, _I(rows0),
+            _I(ring), _I(hq), _I(hkv), _I(hd), _I(cache.group_size), _I(start_pos),
+            _I(window or 0), _F(scale), _F(softcap or 0.0))
         return out
 
     def glu(self, gate, up, act="silu"):
@@ -580,7 +580,7 @@ class OpenCLBackend(Backend):
         ns = []
         for i in range(3):
             if i < len(outs):
-                buf, w, bias = outs[i]
+                _, w, bias = outs[i]
                 if bias is not None:
                     flags |= _F_BIAS[i]
                 args.append((w.codes, w.scales, w.zeros, None if bias is None else bias.buf))
