@@ -419,17 +419,21 @@ def test_attention_c23_huge_negative_scores_and_masked_future_keys(be):
     assert nerr(y, ref) < 1e-6
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+QKV = ["int8", "int4", "k8v4"]
+
+
+@pytest.mark.parametrize("dtype", QKV)
 @pytest.mark.parametrize("hq,hkv,hd", [(8, 4, 8), (4, 4, 64), (6, 2, 80), (3, 1, 256)])
 def test_attention_quantized_cache_matches_host_format(be, dtype, hq, hkv, hd):
-    """int8 / int4 KV: the device quantizes on write with the host cache's formulas (both
+    """int8 / int4 / k8v4 KV: the device quantizes on write with the host cache's formulas (both
     backends attend over the same dequantized values, so the bound stays float32-tight)."""
     assert _attn_pair(be, hq, hkv, hd, [7, 1, 1, 25, 1], dtype=dtype) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", QKV)
 def test_quantized_cache_codes_equal_host_codes(be, dtype):
-    """Same codes and f16 scales as HostKVCache (Hadamard-rotated K, C27 outlier channel)."""
+    """Same arrays, codes and f16 scales as HostKVCache (Hadamard-rotated K, C27 outlier
+    channel); k8v4 = int8's K arrays + int4's V arrays, no K channel statistics."""
     from edgeinfer.backends.kvcache import kv_cache_nbytes
 
     rng = np.random.default_rng(6)
@@ -445,10 +449,13 @@ def test_quantized_cache_codes_equal_host_codes(be, dtype):
     y = be.to_host(be.attention(be.upload(q), be.upload(k), be.upload(v), dc, 0, 0, 0.125))
     assert nerr(y, ref) < 1e-5
     host, dev = rc.raw(0), dc.raw(0, n)
+    assert set(dev) == set(host), (sorted(dev), sorted(host))
     for name, a in host.items():
+        assert dev[name].dtype == a.dtype and dev[name].nbytes == a[:n].nbytes, name
+        eight_bit = dev[name].dtype == np.int8
         a = a[:n].reshape(dev[name].shape).astype(np.float64)
         b = dev[name].astype(np.float64)
-        if name.endswith("_q") and dtype == "int8":
+        if eight_bit:  # int8 codes (int8's K and V, k8v4's K)
             # rounding ties after a different summation order may move a code by one
             assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 5e-3, name
         elif name.endswith("_q"):
@@ -484,7 +491,7 @@ def test_int4_cache_large_k_offset(be):
 
 def test_quantized_cache_large_magnitudes_stay_finite(be):
     rng = np.random.default_rng(8)
-    for dtype in ("int8", "int4"):
+    for dtype in QKV:
         assert _attn_pair(be, 4, 2, 64, [6, 1, 1], dtype=dtype, mag=30.0, rng=rng) < 1e-4
         c = be.new_kv_cache(1, 1, 8, 4, dtype)
         k = np.full((1, 1, 8), 1e9, np.float32)
@@ -507,8 +514,9 @@ def test_kv_cache_object(be):
         be.attention(be.upload(q), be.upload(q), be.upload(q), c, 0, 0, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         be.new_kv_cache(1, 1, 8, 4, "int3")
-    with pytest.raises(ValueError, match="even head_dim"):
-        be.new_kv_cache(1, 1, 7, 4, "int4")
+    for dtype in ("int4", "k8v4"):
+        with pytest.raises(ValueError, match="even head_dim"):
+            be.new_kv_cache(1, 1, 7, 4, dtype)
     k = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)
     be.attention(be.upload(k), be.upload(k), be.upload(-k), c, 2, 0, 1.0)
     kk, vv = c.read(2, 3)

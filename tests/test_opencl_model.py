@@ -84,18 +84,19 @@ def test_stories_greedy_64_identical_to_reference(be, stories, kind):
     assert _nerr(logits, ref_logits) < 1e-4
 
 
-@pytest.mark.parametrize("kv", ["f16", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["f16", "int8", "int4", "k8v4"])
 def test_stories_kv_dtypes_match_reference_same_dtype(be, stories, kv):
     """Each KV storage format against the reference backend's host cache of that format.
 
     Quantized caches round: a float32-level difference upstream (1e-7) can move a K/V
     code by one step (int8: ~1/127 of a head's range), so logits may differ by ~1e-3
-    after a few dozen steps (measured max: int8 3e-3, int4 1e-2) while tokens agree."""
+    after a few dozen steps (measured max: int8 3e-3, int4 1e-2; k8v4, 8-bit K and 4-bit
+    V, shares int4's bound) while tokens agree."""
     cfg, tensors = stories
     ref_toks, ref_logits = _greedy(Transformer(cfg, tensors, ReferenceBackend()), PROMPT, 32, kv)
     toks, logits = _greedy(Transformer(cfg, tensors, be), PROMPT, 32, kv)
     assert toks == ref_toks
-    assert _nerr(logits, ref_logits) < {"f16": 1e-3, "int8": 2e-2, "int4": 5e-2}[kv]
+    assert _nerr(logits, ref_logits) < {"f16": 1e-3, "int8": 2e-2, "int4": 5e-2, "k8v4": 5e-2}[kv]
 
 
 def test_prefill_equals_token_by_token_and_all_logits(be, stories):
@@ -134,8 +135,9 @@ def test_engine_generates_golden_text_on_opencl(be, stories_dir):
     from edgeinfer.readers import read_model
 
     src = read_model(str(stories_dir))
-    for kv in ("f32", "f16", "int8"):
+    for kv in ("f32", "f16", "int8", "k8v4"):
         m = api.Model(src, backend="opencl", n_ctx=64, kv_dtype=kv)
+        assert m.backend.name == "opencl", kv  # passed the self-check (no CPU fallback)
         text = m.generate("Once upon a time", max_tokens=20)
         assert ", there was a little girl named Lily. She loved to play outside in the park.".startswith(text), text
 
@@ -218,6 +220,7 @@ def smollm2_int4(smollm2_gguf):
 
     from edgeinfer.models.arch import is_linear
     from edgeinfer.quant.rtn import quantize_rtn
+
     from edgeinfer.readers import read_model
 
     src = read_model(str(smollm2_gguf))

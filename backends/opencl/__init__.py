@@ -10,8 +10,8 @@ from :mod:`edgeinfer.backends.quantized`): ``common.cl`` (reductions, dequant he
 prepended to every program), ``dense.cl`` (f32 GEMV, RMSNorm, RoPE, GLU, add, embedding),
 ``quant.cl`` (INT4 / INT8 GEMV and embeddings), ``gemm.cl`` (tiled GEMM for prefill, every
 weight format), ``attention.cl`` (f32/f16 KV write, fused rope + KV write, online-softmax
-GQA attention), ``attention_q.cl`` (int8/int4 KV quantize-on-write + attention over the
-codes), ``fused.cl`` (CPU devices: row-per-item GEMV with fused norm / q-k-v / GLU /
+GQA attention), ``attention_q.cl`` (int8 / int4 / k8v4 KV quantize-on-write + attention
+over the codes; launched from :mod:`.attention_q`), ``fused.cl`` (CPU devices: row-per-item GEMV with fused norm / q-k-v / GLU /
 residual for decode, and its token-loop form for prefill).
 
 Importing this package does not fail without pyopencl; constructing the backend or

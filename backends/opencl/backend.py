@@ -31,6 +31,7 @@ import numpy as np
 
 from ..base import Backend
 from ..quantized import QuantizedTensor
+from .attention_q import attention_q
 from .device import (
     OpenCLUnavailableError,
     cl,
@@ -220,7 +221,7 @@ class OpenCLBackend(Backend):
                      window_sizes=None, max_chunk=None) -> DeviceKVCache:
         """A :class:`DeviceKVCache`: per layer a ring of ``max_tokens`` slots, or for a
         sliding-window layer ``min(max_tokens, W - 1 + max_chunk)`` (the host cache's
-        rule and byte count). ``dtype`` "f32" / "f16" (plain) or "int8" / "int4" (the
+        rule and byte count). ``dtype`` "f32" / "f16" (plain) or "int8" / "int4" / "k8v4" (the
         formats of :mod:`edgeinfer.backends.kvcache`, quantized on write by a kernel).
 
         Raises:
@@ -411,7 +412,7 @@ class OpenCLBackend(Backend):
         Query t (position p = start_pos + t), head h attends keys max(0, p - window + 1)
         .. p of KV head h // (Hq / Hkv); scores q.k * scale (tanh soft-capped if
         ``softcap``), softmax in float32 with the running max subtracted (case C23). The
-        cache may be f32 / f16 (attention.cl) or int8 / int4 (attention_q.cl); positions
+        cache may be f32 / f16 (attention.cl) or int8 / int4 / k8v4 (attention_q.cl); positions
         live in slot ``p % S`` of the layer's ring (:mod:`.kvcache`).
 
         Raises:
@@ -435,8 +436,8 @@ class OpenCLBackend(Backend):
         if t == 0:
             return out
         if cache.quantized:
-            return self._attention_q(out, q, k, v, cache, layer, start_pos, scale, window,
-                                     softcap, ring)
+            return attention_q(self, out, q, k, v, cache, layer, start_pos, scale, window,
+                               softcap, ring)
         off = cache.layer_offset(layer)
         kv_half = int(cache.dtype == "f16")
         n = t * hkv * hd
@@ -475,30 +476,6 @@ class OpenCLBackend(Backend):
             self.queue, (hq * lws, t), (lws, 1), out.buf, q.buf, cache.k, cache.v, _I(off),
             _I(ring), _I(hq), _I(hkv), _I(hd), _I(start_pos), _I(window or 0), _F(scale),
             _F(softcap or 0.0))
-        return out
-
-    def _attention_q(self, out, q, k, v, cache, layer, start_pos, scale, window, softcap, ring):
-        """attention() on an int8 / int4 cache: quantize-on-write, then read codes."""
-        t, hq, hd = q.shape
-        hkv = cache.n_kv_heads
-        kvq = 8 if cache.dtype == "int8" else 4
-        b = cache.buffers
-        rows0 = cache.layer_rows(layer)
-        n_rows = t * hkv
-        if kvq == 4 and start_pos == 0:  # a new sequence fixes int4's K channel statistics
-            cache.fix_k_stats(layer, self.to_host(k))
-        koff, kcs = cache.k_stat_buffers[layer]
-        self._k("attention_q.cl", "kv_write_q", KVQ=kvq)(
-            self.queue, self._gsize(n_rows), self._ew, b["k_q"], b["k_scale"], b.get("k_min"),
-            b["v_q"], b["v_scale"], b.get("v_min"), k.buf, v.buf, koff, kcs,
-            _I(rows0), _I(start_pos), _I(ring), _I(n_rows), _I(hd), _I(cache.group_size),
-            _I(hkv))
-        lws = self.caps.lws
-        self._k("attention_q.cl", "attention_q", KVQ=kvq)(
-            self.queue, (hq * lws, t), (lws, 1), out.buf, q.buf, b["k_q"], b["k_scale"],
-            b.get("k_min"), b["v_q"], b["v_scale"], b.get("v_min"), koff, kcs, _I(rows0),
-            _I(ring), _I(hq), _I(hkv), _I(hd), _I(cache.group_size), _I(start_pos),
-            _I(window or 0), _F(scale), _F(softcap or 0.0))
         return out
 
     def glu(self, gate, up, act="silu"):

@@ -1,14 +1,16 @@
-"""The on-device KV cache: float32 / float16 storage, or the int8 / int4 formats of
-:mod:`edgeinfer.backends.kvcache` (same codes, scales and Hadamard-rotated K).
+"""The on-device KV cache: float32 / float16 storage, or the int8 / int4 / k8v4 formats of
+:mod:`edgeinfer.backends.kvcache` (same codes, scales and Hadamard-rotated K; k8v4 is K
+as int8 and V as int4, :mod:`edgeinfer.backends.kvformat`).
 
 Same bookkeeping as :class:`edgeinfer.backends.kvcache.HostKVCache` (``length``,
 ``trim``, ``reset``, overflow check, sizes) so the engine treats both alike; the data
 never leaves the device except through :meth:`DeviceKVCache.raw` / ``read`` (tests,
 debugging). fp16 storage saturates at +-65504 on write instead of becoming inf (case C23).
-int4's K channel statistics (offset m, scale c per layer, KV head and channel) are
-computed on the host by the same :func:`~edgeinfer.backends.kvcache.k_channel_stats`
-from the first rows of a write at position 0 (one small device-to-host copy per layer
-per new sequence) and kept in a host copy and a per-layer device buffer.
+int4's K channel statistics (offset m, scale c per layer, KV head and channel; 4-bit K
+only: k8v4's 8-bit K has none, as on the host) are computed on the host by the same
+:func:`~edgeinfer.backends.kvcache.k_channel_stats` from the first rows of a write at
+position 0 (one small device-to-host copy per layer per new sequence) and kept in a host
+copy and a per-layer device buffer.
 
 Ring storage (sliding-window layers)
 ------------------------------------
@@ -40,8 +42,10 @@ from ..kvcache import (
 from .device import cl
 
 _INT32_MAX = 2**31 - 1
-#: KV dtypes the OpenCL kernels implement (k8v4 is host-only for now).
-OPENCL_KV_DTYPES = ("f32", "f16", "int8", "int4")
+#: KV dtypes the OpenCL kernels implement (all of the host cache's).
+OPENCL_KV_DTYPES = ("f32", "f16", "int8", "int4", "k8v4")
+#: (K bits, V bits) of the quantized dtypes: attention_q.cl's KBITS / VBITS variants.
+KV_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
 
 
 def _layout(dtype: str, hd: int, g: int) -> list[tuple[str, int, type]]:
@@ -53,12 +57,16 @@ def _layout(dtype: str, hd: int, g: int) -> list[tuple[str, int, type]]:
         return [("k", hd, np.float32), ("v", hd, np.float32)]
     if dtype == "f16":
         return [("k", hd, np.float16), ("v", hd, np.float16)]
-    if dtype == "int8":
-        return [("k_q", hd, np.int8), ("k_scale", hd // g, np.float16),
-                ("v_q", hd, np.int8), ("v_scale", 1, np.float16)]
-    return [("k_q", hd // 2, np.uint8), ("k_scale", hd // g, np.float16),
-            ("k_min", hd // g, np.float16), ("v_q", hd // 2, np.uint8),
-            ("v_scale", hd // g, np.float16), ("v_min", hd // g, np.float16)]
+    kbits, vbits = KV_BITS[dtype]
+    if kbits == 8:
+        k = [("k_q", hd, np.int8), ("k_scale", hd // g, np.float16)]
+    else:
+        k = [("k_q", hd // 2, np.uint8), ("k_scale", hd // g, np.float16),
+             ("k_min", hd // g, np.float16)]
+    if vbits == 8:
+        return k + [("v_q", hd, np.int8), ("v_scale", 1, np.float16)]
+    return k + [("v_q", hd // 2, np.uint8), ("v_scale", hd // g, np.float16),
+                ("v_min", hd // g, np.float16)]
 
 
 class DeviceKVCache:
@@ -75,8 +83,8 @@ class DeviceKVCache:
     Attributes:
         n_layers, n_kv_heads, head_dim, max_tokens, window_sizes, max_chunk: as given.
         length: positions currently valid (0..max_tokens).
-        dtype: "f32", "f16", "int8" or "int4".
-        group_size: channels per quantization group (int8/int4; ``kv_group_size(hd)``).
+        dtype: "f32", "f16", "int8", "int4" or "k8v4".
+        group_size: channels per quantization group (quantized dtypes; ``kv_group_size(hd)``).
         slots: per layer, its ring length ``S`` (positions it stores).
         buffers: name -> ``cl.Buffer`` of ``[sum(slots), n_kv_heads, per_row]`` elements,
             layer after layer (names as in :func:`_layout`); ``k`` / ``v`` alias the
@@ -87,7 +95,7 @@ class DeviceKVCache:
 
     Raises:
         ValueError: unknown dtype, non-positive sizes, a window list of the wrong length,
-            an odd head_dim for int4, or storage beyond the kernels' 32-bit indexing.
+            an odd head_dim for int4 / k8v4, or storage beyond the kernels' 32-bit indexing.
     """
 
     def __init__(self, context, queue, n_layers: int, n_kv_heads: int, head_dim: int,
@@ -102,8 +110,9 @@ class DeviceKVCache:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if min(n_layers, n_kv_heads, head_dim, max_chunk) <= 0:
             raise ValueError("n_layers, n_kv_heads, head_dim and max_chunk must be positive")
-        if dtype == "int4" and head_dim % 2:
-            raise ValueError(f"int4 KV needs an even head_dim (two codes per byte), got {head_dim}")
+        if dtype in ("int4", "k8v4") and head_dim % 2:
+            raise ValueError(f"{dtype} KV needs an even head_dim (two 4-bit codes per byte), "
+                             f"got {head_dim}")
         windows = [None] * n_layers if window_sizes is None else list(window_sizes)
         if len(windows) != n_layers:
             raise ValueError(f"window_sizes has {len(windows)} entries for {n_layers} layers")
@@ -152,7 +161,12 @@ class DeviceKVCache:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in ("int8", "int4")
+        return self.dtype in KV_BITS
+
+    @property
+    def kv_bits(self) -> tuple[int, int]:
+        """(K bits, V bits) of a quantized dtype (:data:`KV_BITS`)."""
+        return KV_BITS[self.dtype]
 
     # ---- sizes (the host cache's definitions) -------------------------------------------
     @property
@@ -288,11 +302,14 @@ class DeviceKVCache:
             return a["k"].astype(np.float32), a["v"].astype(np.float32)
         g = self.group_size
         hmat = hadamard(g)
-        if self.dtype == "int8":
+        kbits, vbits = self.kv_bits
+        if kbits == 8:
             y = dequant_sym8(a["k_q"], a["k_scale"])
-            v = dequant_sym8(a["v_q"], a["v_scale"])
         else:
             y = dequant_asym4(a["k_q"], a["k_scale"], a["k_min"])
+        if vbits == 8:
+            v = dequant_sym8(a["v_q"], a["v_scale"])
+        else:
             v = dequant_asym4(a["v_q"], a["v_scale"], a["v_min"])
         shp = y.shape
         k = (y.reshape(*shp[:-1], shp[-1] // g, g) @ hmat).reshape(shp)
