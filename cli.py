@@ -268,6 +268,12 @@ def cmd_bench(args) -> int:
         "peak_rss_mb": peak_rss_mb(),
         "run_peak_rss_mb": window_peak_rss_mb(),
     }
+    # the memory target: the file (weights as stored) + the KV cache + 150 MB (MiB here)
+    path = getattr(model.source, "path", None)
+    if path and os.path.isfile(path):
+        out["file_mb"] = os.path.getsize(path) / 2**20
+        out["kv_mb"] = model.engine.cache.nbytes / 2**20
+        out["rss_target_mb"] = out["file_mb"] + out["kv_mb"] + 150e6 / 2**20
     if args.json:
         print(json.dumps(out))
     else:

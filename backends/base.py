@@ -12,11 +12,44 @@ F intermediate, V vocab.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .quantized import QuantizedTensor
+
+
+@dataclass(eq=False)
+class PreNormBlock:
+    """The uploaded tensors and switches of one plain pre-norm decoder block (Llama,
+    SmolLM2, Qwen2, Mistral: no QK-norm, no sandwich norms), built once per layer by the
+    model so that :meth:`Backend.decoder_block` needs no per-call lookups.
+
+    Handles: ``input_norm``, ``post_norm`` [D]; ``qkv`` = [Wq, Wk, Wv] and ``qkv_bias``
+    (three biases or None); ``cos``, ``sin`` RoPE tables [max_pos, r/2]; ``wo``,
+    ``w_gate``, ``w_up``, ``w_down``. Switches: ``heads`` (Hq, Hkv, hd), ``eps``,
+    ``unit_offset``, ``scale`` (attention score multiplier), ``window`` (None = global),
+    ``softcap`` (None = off), ``act`` ("silu" or "gelu_tanh"). Compared by identity.
+    """
+
+    input_norm: Any
+    qkv: list
+    qkv_bias: list
+    cos: Any
+    sin: Any
+    wo: Any
+    post_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    heads: tuple
+    eps: float
+    unit_offset: bool
+    scale: float
+    window: int | None
+    softcap: float | None
+    act: str
 
 
 class Backend(ABC):
@@ -115,6 +148,45 @@ class Backend(ABC):
         h = self.rmsnorm(x, norm_w, eps, unit_offset)
         gate, up = self.linear_many(h, [w_gate, w_up], [None, None])
         return self.add(x, self.linear(self.glu(gate, up, act), w_down))
+
+    def decoder_block(self, x: Any, blk: PreNormBlock, positions: np.ndarray, cache: Any,
+                      layer: int) -> Any:
+        """A whole plain pre-norm decoder block: :meth:`attention_input`,
+        :meth:`attention` (appending K/V at ``positions`` of cache layer ``layer``), then
+        :meth:`attention_output_mlp`.
+
+        Shapes: x [T, D] -> [T, D]; positions int32 [T] on the host (consecutive, from
+        ``start_pos``). Backends may fuse it (the CPU backend runs decode as one or two
+        Numba calls) and may return scratch storage, valid until the next call of this
+        op; ``x`` is not modified unless it is that scratch.
+        """
+        t = positions.shape[0]
+        hq, _, hd = blk.heads
+        q, k, v = self.attention_input(x, blk.input_norm, blk.eps, blk.unit_offset, blk.qkv,
+                                       blk.qkv_bias, blk.cos, blk.sin, positions, blk.heads)
+        a = self.attention(q, k, v, cache, layer, int(positions[0]), blk.scale, blk.window,
+                           blk.softcap)
+        return self.attention_output_mlp(x, self.reshape(a, (t, hq * hd)), blk.wo,
+                                         blk.post_norm, blk.eps, blk.unit_offset, blk.w_gate,
+                                         blk.w_up, blk.w_down, blk.act)
+
+    def embed_step(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
+        """As :meth:`embed`, but the result may be scratch storage valid until the next
+        call of this op (the forward feeds it straight to the first block)."""
+        return self.embed(table, ids, scale)
+
+    def norm_logits(self, x: Any, norm_w: Any, eps: float, unit_offset: bool, head: Any,
+                    softcap: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits of the last row: ``logits(rmsnorm(x[T-1:T]), head, softcap)``, float32
+        numpy [1, V] on the host, written into ``out`` (float32 [1, V]) when given (a
+        caller-owned buffer reused across decode steps) and returned."""
+        t = x.shape[0]
+        h = self.rmsnorm(self.select_rows(x, slice(t - 1, t)), norm_w, eps, unit_offset)
+        y = self.logits(h, head, softcap)
+        if out is None:
+            return y
+        out[...] = y
+        return out
 
     @abstractmethod
     def rope(self, x: Any, cos: Any, sin: Any, positions: np.ndarray) -> Any:

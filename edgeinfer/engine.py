@@ -142,10 +142,14 @@ class Engine:
     prefill_chunk: int = 512
     cache: object = None
     cached_ids: list[int] = field(default_factory=list)
+    # decode_one's reused buffers: the token id int32 [1] and the logits float32 [1, V]
+    _ids1: np.ndarray = field(default=None, init=False, repr=False, compare=False)
+    _logits: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cache is None:
             self.cache = self.model.new_cache(self.n_ctx, self.kv_dtype, self.prefill_chunk)
+        self._ids1 = np.zeros(1, np.int32)
 
     # ---- low level -------------------------------------------------------------------
     def reset(self) -> None:
@@ -198,10 +202,19 @@ class Engine:
         return logits[-1], keep
 
     def decode_one(self, token: int) -> np.ndarray:
-        """Append one token and return the next logits float32 [V]."""
-        logits = self.model.forward(np.asarray([token], np.int32), self.cache)
+        """Append one token and return the next logits float32 [V].
+
+        The logits are a view of a buffer this engine reuses (so that a decode step
+        allocates nothing on the CPU backend): valid until the next ``decode_one``; copy
+        them to keep them longer.
+        """
+        self._ids1[0] = token
+        if self._logits is None:  # the first step's result becomes the reused buffer
+            self._logits = self.model.forward(self._ids1, self.cache)
+        else:
+            self.model.forward(self._ids1, self.cache, out=self._logits)
         self.cached_ids.append(int(token))
-        return logits[-1]
+        return self._logits[-1]
 
     # ---- generation ------------------------------------------------------------------
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,

@@ -19,6 +19,11 @@ projection, MLP output) + ``2·T·(Hq + 2·Hkv)·hd`` (q, k, v and their RoPE'd 
 the chunk's own block; fast backends tile attention over the cache) + ``V`` (logits).
 The numpy reference backend materializes ``Hq·T·S`` scores per layer and can exceed it
 on long contexts: it is the oracle, not the memory-bounded path.
+
+Giving memory back to the OS (resident set size) without changing any result lives in
+:mod:`edgeinfer.backends.osmemory` (the backends use it; re-exported here):
+:func:`release_free_heap`, :func:`release_mapped_pages`, :func:`private_file_view`,
+:func:`release_jit_compiler_pages` and :class:`ForwardReleaser`.
 """
 from __future__ import annotations
 
@@ -31,6 +36,15 @@ from .backends.kvcache import (
     DEFAULT_MAX_CHUNK,
     kv_bytes_per_token_layer,
     kv_cache_nbytes,
+)
+from .backends.osmemory import (  # noqa: F401  (re-exported)
+    JIT_LIBRARIES,
+    ForwardReleaser,
+    private_file_view,
+    release_free_heap,
+    release_jit_compiler_pages,
+    release_mapped_pages,
+    views_readonly_map,
 )
 from .errors import MemoryBudgetError
 

@@ -20,7 +20,7 @@ processors, not samplers, as in HF and llama.cpp).
 All arithmetic is float64 (a softmax over 262144 logits in float32 loses the tail).
 Public filters never modify their input; they return a new float64 array of the same
 shape ``[V]`` where removed entries are ``-inf``. ``sample`` makes one float64 copy of
-the logits and works on it in place. Randomness comes only from the ``numpy.random.
+the logits and works on it in place (plain greedy, without penalties, needs no copy). Randomness comes only from the ``numpy.random.
 Generator`` passed in: the same seed and inputs give the same token.
 """
 from __future__ import annotations
@@ -319,12 +319,26 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         ValueError: logits not 1-D, containing NaN or +inf, or all -inf; history ids out
             of range.
     """
+    n = params.penalty_last_n
+    penalized = n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty
+                            or params.frequency_penalty)
+    if params.temperature == 0 and not penalized:
+        # plain greedy: argmax of the logits as given, no float64 copy (the widening is
+        # exact, so the same id); max() is NaN if any is NaN, +inf if any is +inf
+        x = np.asarray(logits)
+        if x.ndim != 1 or x.size == 0:
+            raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
+        m = float(x.max())  # a Python float: numpy scalar ops would allocate 0-d arrays
+        if math.isnan(m) or m == math.inf:
+            raise ValueError("logits contain NaN or +inf (a numerical fault in the model "
+                             "forward)")
+        if m == -math.inf:
+            raise ValueError("every logit is -inf; nothing can be sampled")
+        return int(np.argmax(x))
     x = _as_f64_copy(logits)  # [V] float64, the only full-size allocation besides masks
     if np.isnan(x).any() or np.isposinf(x).any():
         raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
-    n = params.penalty_last_n
-    if n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty
-                   or params.frequency_penalty):
+    if penalized:
         ids = _history_ids(history, x.size)
         if n > 0:
             ids = ids[-n:]

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, PreNormBlock
 from .config import ModelConfig
 from .rope import rope_tables
 
@@ -79,19 +79,10 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     eps, off = cfg.rms_norm_eps, cfg.norm_unit_offset
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if capture is None and not cfg.qk_norm and not cfg.sandwich_norms:
-        # plain pre-norm block: two fused backend ops around attention (one call each on
-        # the CPU decode path; the contract's defaults compose the ops spelled out below)
-        cos, sin = rope
-        q, k, v = be.attention_input(x, lw["input_layernorm"], eps, off,
-                                     [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
-                                     [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")],
-                                     cos, sin, positions, (hq, hkv, hd))
-        a = be.attention(q, k, v, cache, cache_layer, int(positions[0]), cfg.attn_scale,
-                         cfg.layer_window(layer), cfg.attn_logit_softcapping)
-        return be.attention_output_mlp(x, be.reshape(a, (t, hq * hd)), lw["o_proj"],
-                                       lw["post_attention_layernorm"], eps, off,
-                                       lw["gate_proj"], lw["up_proj"], lw["down_proj"],
-                                       "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
+        # plain pre-norm block: one backend op (the contract's default composes
+        # attention_input / attention / attention_output_mlp, i.e. the ops spelled out below)
+        return be.decoder_block(x, prenorm_block(cfg, lw, rope, layer), positions, cache,
+                                cache_layer)
 
     h = be.rmsnorm(x, lw["input_layernorm"], eps, off)
     if capture is not None:
@@ -133,6 +124,21 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     return be.add(x, d)
 
 
+def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
+                  layer: int) -> PreNormBlock | None:
+    """Layer ``layer``'s tensors and switches as a :class:`PreNormBlock`, or None when the
+    architecture is not a plain pre-norm block (QK-norm, sandwich norms)."""
+    if cfg.qk_norm or cfg.sandwich_norms:
+        return None
+    return PreNormBlock(
+        lw["input_layernorm"], [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
+        [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")], rope[0], rope[1],
+        lw["o_proj"], lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"],
+        lw["down_proj"], (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+        cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.attn_scale, cfg.layer_window(layer),
+        cfg.attn_logit_softcapping, "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
+
+
 class Transformer:
     """A model's weights uploaded to a backend, plus the forward pass.
 
@@ -166,6 +172,12 @@ class Transformer:
             if theta not in self._rope:
                 cos, sin = rope_tables(cfg, self.max_positions, theta)
                 self._rope[theta] = (be.upload(cos), be.upload(sin))
+        # per layer: the plain pre-norm block (one backend op per layer) or None (generic)
+        self.blocks = [prenorm_block(cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
+                       for i, lw in enumerate(self.layers)]
+        # positions p.. of a call are a view of this table: nothing allocated per step
+        self._positions = np.arange(self.max_positions, dtype=np.int32)
+        self._positions.flags.writeable = False
 
     def new_cache(self, max_tokens: int, dtype: str = "f32", max_chunk: int = 512) -> Any:
         """Preallocate a KV cache for ``max_tokens`` positions (see ``Backend.new_kv_cache``).
@@ -182,13 +194,17 @@ class Transformer:
         return self.backend.new_kv_cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                          max_tokens, dtype, **extra)
 
-    def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False,
+                out: np.ndarray | None = None) -> np.ndarray:
         """Run T tokens starting at position ``cache.length``; T > 1 is prefill, T == 1 decode.
 
         Args:
             ids: int32 [T] token ids.
             cache: KV cache; its ``length`` advances by T.
             all_logits: return logits of every position (perplexity) instead of the last.
+            out: optional float32 [1, V] buffer for the last position's logits (not with
+                ``all_logits``): written and returned, so that a decode loop reusing it
+                allocates nothing on the CPU backend. Without it the result is a new array.
 
         Returns:
             float32 numpy logits [T, V] if ``all_logits`` else [1, V].
@@ -202,14 +218,18 @@ class Transformer:
         if start + t > self.max_positions:
             raise ValueError(f"positions up to {start + t} exceed the model's table of "
                              f"{self.max_positions}")
-        positions = np.arange(start, start + t, dtype=np.int32)
+        positions = self._positions[start:start + t]
         be, cfg = self.backend, self.cfg
-        x = be.embed(self.embed_tokens, ids, cfg.embed_scale)
-        for i, lw in enumerate(self.layers):
-            x = decoder_layer(be, cfg, lw, x, positions, self._rope[cfg.layer_rope_theta(i)],
-                              cache, i, i)
+        x = be.embed_step(self.embed_tokens, ids, cfg.embed_scale)
+        for i, blk in enumerate(self.blocks):
+            if blk is not None:
+                x = be.decoder_block(x, blk, positions, cache, i)
+            else:
+                x = decoder_layer(be, cfg, self.layers[i], x, positions,
+                                  self._rope[cfg.layer_rope_theta(i)], cache, i, i)
         cache.length = start + t
-        if not all_logits:
-            x = be.select_rows(x, slice(t - 1, t))
-        x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        return be.logits(x, self.lm_head, cfg.final_logit_softcapping)
+        if all_logits:
+            x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            return be.logits(x, self.lm_head, cfg.final_logit_softcapping)
+        return be.norm_logits(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset,
+                              self.lm_head, cfg.final_logit_softcapping, out)

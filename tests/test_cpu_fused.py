@@ -1,6 +1,6 @@
 """The CPU backend's fused decode halves (``attention_input``, ``attention_output_mlp``)
-against the numpy reference backend, against the CPU's own unfused composition, and the
-vectorized ``exp`` they use for the activation.
+and whole block (``decoder_block``) against the numpy reference backend, against the CPU's
+own unfused composition, and the vectorized ``exp`` they use for the activation.
 
 Bounds (see tests/test_cpu_kernels.py): vs the reference, the int8-activation GEMVs give
 ``ACT8_TOL``; vs the unfused CPU ops (same integer GEMVs, same activation rounding) the
@@ -141,3 +141,80 @@ def test_decode_step_allocation_free():
         tracemalloc.stop()
     assert control_peak >= control.nbytes
     assert max(peaks) < 4 * d
+
+
+# ---- decoder_block: the whole plain pre-norm block (backends/cpu/decode.py) -------------
+def _block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act):
+    from edgeinfer.backends.base import PreNormBlock
+    wq, wk, wv = (be.upload_weight(q) for q in qs)
+    wo, wg, wu, wd = (be.upload_weight(q) for q in mq)
+    return PreNormBlock(nw, [wq, wk, wv], list(bs), cos, sin, wo, nw[::-1].copy(), wg, wu, wd,
+                        heads, 1e-5, False, heads[2] ** -0.5, window, softcap, act)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("d,hq,hkv,hd,f,group,bias,window,ring,softcap,act,threads", [
+    (64, 8, 4, 8, 172, 32, False, None, False, None, "silu", 2),     # stories260K-like
+    (200, 3, 1, 16, 100, 64, True, 5, False, 30.0, "gelu_tanh", 1),  # odd D/F, window, cap
+    (96, 4, 2, 32, 128, 32, False, 4, True, None, "silu", 1),        # ring (windowed) layer
+    (576, 9, 3, 64, 1536, 128, False, None, False, None, "silu", 2),  # SmolLM2 (parallel)
+])
+def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window, ring,
+                                      softcap, act, threads):
+    """The fused decode block == the CPU's own composition of ops (same kernels: outputs
+    to float association, caches byte-identical), and the reference as a sanity bound only
+    (random weights, four chained int8-activation GEMVs per step and K/V from them in a
+    4-bit cache drift to ~0.05 over the steps at SmolLM2 sizes, ~0.12 with int4 K whose
+    channel statistics come from those K; the same for the composition),
+    over a prefill then decode steps; f32/f16 ring layers fall back to the composition."""
+    from edgeinfer.backends import kvcache
+    rng = np.random.default_rng(d + hd)
+    heads = (hq, hkv, hd)
+    qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, group, bias)
+    mq = [random_q(rng, d, hq * hd, 4, group, sym=False), random_q(rng, f, d, 4, group, False),
+          random_q(rng, f, d, 4, group, sym=False), random_q(rng, d, f, 4, group, sym=False)]
+    cpu = CpuBackend(threads=threads)
+    bc, br = (_block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act)
+              for be in (cpu, REF))
+    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
+    fused_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
+    pos = np.arange(40, dtype=np.int32)
+    start = 0
+    for t in (5, 1, 1, 3, 1, 1, 1):  # prefill chunks (the composition) and decode steps
+        x = rng.standard_normal((t, d)).astype(np.float32) * 2
+        p = pos[start:start + t]
+        y_f = np.array(cpu.decoder_block(x, bc, p, fused_c, 0))
+        y_c = np.array(Backend.decoder_block(cpu, x, bc, p, comp_c, 0))
+        y_r = REF.decoder_block(x, br, p, ref_c, 0)
+        assert y_f.shape == (t, d)
+        assert nerr(y_f, y_c) < 1e-5
+        assert nerr(y_f, y_r) < 0.2  # sanity only (see the docstring)
+        for name, arr in comp_c.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), fused_c.raw(0)[name].view(np.uint8)), name
+        start += t
+    prepared = fused_c._cpu_dec[0][1]
+    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the fused path ran
+
+
+def test_decoder_block_overflow_and_fallbacks():
+    """Decode past the cache raises like the composition; exact_decode and dense
+    weights take the composition."""
+    rng = np.random.default_rng(3)
+    d, hq, hkv, hd, f = 64, 4, 2, 16, 96
+    heads = (hq, hkv, hd)
+    qs, bs, cos, sin, nw, x = _qkv_case(rng, d, hq, hkv, hd, 32, False)
+    mq = [random_q(rng, d, hq * hd, 4, 32, sym=False), random_q(rng, f, d, 4, 32, False),
+          random_q(rng, f, d, 4, 32, sym=False), random_q(rng, d, f, 4, 32, sym=False)]
+    cpu = CpuBackend(threads=1)
+    blk = _block(cpu, qs, bs, mq, nw, cos, sin, heads, None, None, "silu")
+    cache = cpu.new_kv_cache(1, hkv, hd, 4, "int8")
+    pos = np.arange(40, dtype=np.int32)
+    for p in range(4):
+        cpu.decoder_block(x, blk, pos[p:p + 1], cache, 0)
+    with pytest.raises(ValueError, match="overflow"):
+        cpu.decoder_block(x, blk, pos[4:5], cache, 0)
+    exact = CpuBackend(threads=1, exact_decode=True)
+    be = _block(exact, qs, bs, mq, nw, cos, sin, heads, None, None, "silu")
+    c2 = exact.new_kv_cache(1, hkv, hd, 4, "int8")
+    y = exact.decoder_block(x, be, pos[:1], c2, 0)
+    assert "_cpu_dec" not in c2.__dict__ and y.shape == (1, d)

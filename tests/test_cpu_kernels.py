@@ -390,8 +390,9 @@ def test_attention_decode_serial_equals_parallel(dtype):
         else:
             a = c._cpu_qviews[0]
             fn = kvquant.attention_q if par else kvquant.attention_q_serial
+            scr = kvquant.decode_scratch_q(c, hq, hd) if par else np.zeros((0, 0), np.float32)
             fn(out, q, a[7], a[0], a[1], a[2], a[3], a[4], a[5], a[9], a[10], a[6], n - 1, 0.125,
-               0, 0.0)
+               0, 0.0, scr)
         outs.append(out)
     assert nerr(outs[1], outs[0]) < 1e-6
 

@@ -111,8 +111,9 @@ def test_quant_fast_decode_teacher_forced(model):
         ids = np.array([tok], np.int32)
         lr, lc = mr.forward(ids, cr), mc.forward(ids, cc)
     assert agree >= STEPS - 4
-    # decode ran through the fused per-layer kernels (backends/cpu/fused.py)
+    # decode ran through the fused per-layer kernels (backends/cpu/fused.py, decode.py)
     assert {k[0] for k, v in mc.backend._dec.items() if v is not False} == {"qkv", "mlp"}
+    assert all(v[1] is not False for v in cc._cpu_dec.values())
 
 
 @pytest.mark.parametrize("weights", ["dense", "quant"])

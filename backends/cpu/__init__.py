@@ -10,7 +10,10 @@ Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefil
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
 :mod:`._simd`. :meth:`CpuBackend.linear_many` fuses q/k/v and gate/up into one GEMV;
 for decode, :meth:`CpuBackend.attention_input` and :meth:`CpuBackend.attention_output_mlp`
-run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch.
+run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch,
+and :meth:`CpuBackend.decoder_block` a whole plain pre-norm block as one call (f32/f16
+cache) or two (quantized cache) (:mod:`.decode`); with :meth:`CpuBackend.embed_step` and
+:meth:`CpuBackend.norm_logits` (into the caller's buffer) a decode step allocates nothing.
 
 Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
 the decode kernels; a small Python thread pool with single-threaded OpenBLAS for the
@@ -33,7 +36,9 @@ import numpy as np
 
 from ..base import Backend
 from ..kvcache import HostKVCache, _rotate
+from ..osmemory import ForwardReleaser, private_file_view, release_mapped_pages
 from ..quantized import QuantizedTensor
+from . import decode as _decode
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
 from .attention import decode_scratch
@@ -45,11 +50,11 @@ from .elementwise import (
     rope_tokens,
     rope_tokens_par,
 )
-from .gemm import GemmPool, gemm_dense, gemm_quant
 from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
+from .gemm import GemmPool, gemm_dense, gemm_quant
 from .gemv import _NO_BIAS, SERIAL_MAX_BYTES, ActScratch, gemv_quant
-from .kvquant import attention_q, attention_q_serial, kv_write_q
-from .repack import CpuQuantWeight, blocks_align_with_groups, repack
+from .kvquant import attention_q, attention_q_serial, decode_scratch_q, kv_write_q
+from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_view
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "physical_cores"]
 
@@ -134,6 +139,7 @@ class CpuBackend(Backend):
         self._fused: dict = {}  # linear_many: id tuple -> (weight, bias, splits, members)
         self._dec: dict = {}  # fused decode halves: (op, id(first weight)) -> prepared call
         self._scr: dict = {}  # decode scratch buffers by (name, shape)
+        self._ids1 = np.zeros(1, np.int64)  # embed_step's row index
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
@@ -141,12 +147,36 @@ class CpuBackend(Backend):
         return np.ascontiguousarray(a, dtype=np.float32)
 
     def upload_weight(self, w):
-        """Repack a QuantizedTensor for the integer kernels; dense weights as float32."""
+        """Repack a QuantizedTensor for the integer kernels; dense weights as float32.
+
+        A quantized source that views a read-only file mapping (``.eif``) has its pages
+        given back once copied (:func:`..osmemory.release_mapped_pages`), so loading never
+        holds the file's pages and the repacked copy at once (Qwen2.5-0.5B: load peak
+        1070 -> ~500 MiB)."""
         if isinstance(w, QuantizedTensor):
             if blocks_align_with_groups(w):
-                return repack(w)
-            return np.ascontiguousarray(w.dequantize(), dtype=np.float32)
+                out = repack(w)
+            else:
+                out = np.ascontiguousarray(w.dequantize(), dtype=np.float32)
+            release_mapped_pages(w.qweight, w.scales, w.zeros)
+            return out
         return np.ascontiguousarray(w, dtype=np.float32)
+
+    def upload_embedding(self, w):
+        """The embedding table (also the tied output head): as :meth:`upload_weight`,
+        except an 8-bit table read from an ``.eif`` (a read-only file mapping), whose codes
+        already have the kernels' layout: its codes are then a copy-on-write view of the
+        file (:func:`..osmemory.private_file_view`), not a copy. A lookup makes only
+        its rows resident; an untied table (Qwen2.5-0.5B: 130 MiB) never becomes resident
+        as a whole, a tied one streamed by the head GEMV is resident as file pages (as
+        much as the copy was). Same values, same kernels."""
+        if isinstance(w, QuantizedTensor) and w.bits == 8:
+            codes = private_file_view(w.qweight)
+            out = None if codes is None else repack_q8_view(w, codes)
+            if out is not None:  # its looked-up rows are given back after each prefill
+                self.__dict__.setdefault("_file_tables", []).append(out)
+                return out
+        return self.upload_weight(w)
 
     def to_host(self, t):
         """The array itself (tensors already live on the host)."""
@@ -161,8 +191,14 @@ class CpuBackend(Backend):
 
     # ---- ops -------------------------------------------------------------------------
     def embed(self, table, ids, scale=1.0):
-        """x[T, D] = table[ids] * scale; quantized tables dequantize only the rows used."""
+        """x[T, D] = table[ids] * scale; quantized tables dequantize only the rows used.
+
+        Also marks the start of a forward for the memory releases of :meth:`logits`."""
         ids = np.asarray(ids).reshape(-1)
+        rel = self.__dict__.get("_release")
+        if rel is None:
+            rel = self._release = ForwardReleaser()
+        rel.note_tokens(ids.shape[0])
         if isinstance(table, CpuQuantWeight):
             if ids.shape[0] == 1:  # decode: one id, no reductions
                 bad = not 0 <= int(ids[0]) < table.out_features
@@ -191,6 +227,22 @@ class CpuBackend(Backend):
         fn = rmsnorm_rows_par if x2.size >= _PAR_MIN_ELEMS else rmsnorm_rows
         fn(y, x2, w, float(eps), bool(unit_offset))
         return y.reshape(x.shape)
+
+    def logits(self, x, head, softcap=None):
+        """Final projection x[T, D] @ head[V, D].T -> float32 [T, V] (the contract's).
+
+        Then gives memory back (:class:`..osmemory.ForwardReleaser`): after a
+        multi-token forward (prefill chunk) the freed heap and the rows an untied
+        file-viewed embedding mapped (:meth:`upload_embedding`; a lookup maps whole page
+        cache folios: 27 MiB of Qwen2.5-0.5B's table after a 256-token prompt); after the
+        first forwards also the pages of the JIT compiler, idle once the kernels are
+        loaded. Decode steps that reach here cost one attribute test."""
+        y = super().logits(x, head, softcap)
+        rel = self.__dict__.get("_release")
+        if rel is not None and rel.due:  # file-viewed tables not streamed as the head
+            rel.after_forward(tuple(t.wp for t in self.__dict__.get("_file_tables", ())
+                                    if t is not head))
+        return y
 
     def linear(self, x, w, bias=None):
         """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]).
@@ -226,6 +278,9 @@ class CpuBackend(Backend):
                 y += bias
         else:
             y = gemm_dense(x2, w, bias, self._pool)
+        rel = self.__dict__.get("_release")
+        if rel is not None and rel.first:  # first forward: release after each layer
+            rel.after_op()
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
     def linear_many(self, x, ws, biases):
@@ -304,6 +359,36 @@ class CpuBackend(Backend):
         return (fn, y, self._scratch("h", (w.in_features,)), (w.wp, w.sc, w.sz, w.bmap), bias,
                 self._act.get(w.n_blocks, w.n_groups), q, k, v, norm_w, tuple(heads),
                 w.in_features, list(ws), list(biases))
+
+    def decoder_block(self, x, blk, positions, cache, layer):
+        """See :meth:`Backend.decoder_block`. Decode (T = 1) with 4-bit weights of one
+        format over an f32/f16 (linear) or int8/int4/k8v4 cache: one or two Numba calls
+        (:mod:`.decode`), nothing allocated; the result is the [1, D] scratch of
+        :meth:`attention_output_mlp`. Otherwise the contract's composition."""
+        y = _decode.decoder_block(self, x, blk, positions, cache, layer)
+        if y is None:
+            return super().decoder_block(x, blk, positions, cache, layer)
+        return y
+
+    def embed_step(self, table, ids, scale=1.0):
+        """See :meth:`Backend.embed_step`: one id (decode) is written into a [1, D] scratch
+        array, valid until the next call (:func:`.decode.embed_step`); else :meth:`embed`."""
+        if self.__dict__.get("_release") is None:  # as embed (see logits: memory releases)
+            self._release = ForwardReleaser()
+        y = _decode.embed_step(self, table, ids, scale)
+        return self.embed(table, ids, scale) if y is None else y
+
+    def norm_logits(self, x, norm_w, eps, unit_offset, head, softcap=None, out=None):
+        """See :meth:`Backend.norm_logits`. Decode ([1, D] input, 4-/8-bit or dense head):
+        the norm into scratch, the head GEMV straight into ``out`` (or a new array),
+        softcap in place (:func:`.decode.norm_logits`); else the contract's composition."""
+        y = _decode.norm_logits(self, x, norm_w, eps, unit_offset, head, softcap, out)
+        if y is None:
+            return super().norm_logits(x, norm_w, eps, unit_offset, head, softcap, out)
+        rel = self.__dict__.get("_release")
+        if rel is not None and rel.due:  # as logits: the first forwards give memory back
+            rel.after_forward()
+        return y
 
     def attention_output_mlp(self, x, a, wo, norm_w, eps, unit_offset, w_gate, w_up, w_down,
                              act="silu"):
@@ -463,7 +548,8 @@ class CpuBackend(Backend):
         n_keys = kq.shape[0] if ring else start + t
         fn = (attention_q_serial if t == 1 and n_keys * q.shape[1] * q.shape[2]
               <= _ATTN_SERIAL_MAX else attention_q)
-        fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, pos, start, scale, win, cap)
+        scr = decode_scratch_q(cache, q.shape[1], q.shape[2]) if t == 1 else _NO_SCR
+        fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, pos, start, scale, win, cap, scr)
         return out
 
     def glu(self, gate, up, act="silu"):

@@ -18,6 +18,10 @@ as their uint16 bits):
   fly inside the weighted sum (int8: one scale per (token, head) folded into the
   probability; int4: per group ``p * s * code + p * m``).
 
+Decode (T = 1) work items take every buffer (scores, rotated query heads, accumulator,
+a dequantized row) from a per-cache scratch (:func:`decode_scratch_q`), so a decode step
+allocates nothing inside the kernels; prefill items allocate their own.
+
 Format selection is static: ``kmin is None`` means 8-bit symmetric K (int8, k8v4),
 ``vmin is None`` means 8-bit V with one scale per (token, head) (int8); Numba prunes the
 other branch at compile time, so each of the three formats gets its own machine code.
@@ -133,7 +137,7 @@ def kv_write_q(kr, v, kq, ks, kmin, vq, vs, vmin, pos, start, g):
 
 # ---- attention over the codes ----------------------------------------------------------
 @njit(cache=True, fastmath=_FM, inline="always")
-def _scores8(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # s[g, j] = (q H) . (k H)
+def _scores8(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # s[g, j] = (qH).(kH)
     gn, hd = qs.shape
     for jj in range(n):
         row = lo + jj
@@ -149,9 +153,8 @@ def _scores8(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # s[g, j] = (q H) 
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def _scores4(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # int4 K: dequant row once
-    gn, hd = qs.shape
-    row_f = np.empty(hd, np.float32)
+def _scores4(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # int4 K: row once
+    gn, hd = qs.shape  # row_f [hd]: one dequantized K row (scratch)
     for jj in range(n):
         row = lo + jj
         _deq4_row(row_f, kq, ks, kmin, row, kh, gsz, ng)
@@ -163,7 +166,7 @@ def _scores4(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # int4 K: dequant 
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def _v_accum8(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):  # acc[g] += sum_j s[g, j] V'[lo+j]
+def _v_accum8(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # acc[g] += s[g] . V'
     gn, hd = acc.shape
     for jj in range(n):
         row = lo + jj
@@ -176,9 +179,8 @@ def _v_accum8(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):  # acc[g] += sum_j s[g,
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
-def _v_accum4(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):  # as _v_accum8, int4 V
-    gn, hd = acc.shape
-    row_f = np.empty(hd, np.float32)  # one dequantized V row, shared by the gn heads
+def _v_accum4(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # as _v_accum8, int4 V
+    gn, hd = acc.shape  # row_f [hd]: one dequantized V row, shared by the gn heads
     for jj in range(n):
         row = lo + jj
         _deq4_row(row_f, vq, vs, vmin, row, kh, gsz, ng)
@@ -201,11 +203,11 @@ def _deq4_row(out, cq, cs, cm, row, kh, gsz, ng):  # packed codes * s + m -> out
             out[b + 2 * i + 1] = np.float32(c >> np.uint8(4)) * sc + mn
 
 
-def _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # pragma: no cover
+def _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # pragma: no cover
     raise NotImplementedError
 
 
-def _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):  # pragma: no cover
+def _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -214,18 +216,62 @@ def _is_none(t):
 
 
 @overload(_scores, inline="always", jit_options={"fastmath": _FM})
-def _ov_scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng):  # format chosen by type
+def _ov_scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # format by type
     return _scores8.py_func if _is_none(kmin) else _scores4.py_func
 
 
 @overload(_v_accum, inline="always", jit_options={"fastmath": _FM})
-def _ov_v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng):
+def _ov_v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):
     return _v_accum8.py_func if _is_none(vmin) else _v_accum4.py_func
+
+
+@njit(cache=True, inline="always")
+def _item_scratch_q(scr, item, gn, n, hd, ng):
+    """(s [gn, n], qs [gn, hd], acc [gn, hd], qsum [gn, ng], qm [gn], row_f [hd]) float32,
+    qs / acc / qsum / qm zeroed: views of ``scr[item]`` when that row is long enough
+    (decode, :func:`decode_scratch_q`), else fresh arrays (prefill: O(S) per item)."""
+    need = gn * (n + 2 * hd + ng + 1) + hd
+    if item < scr.shape[0] and need <= scr.shape[1]:
+        row = scr[item]
+        s = row[:gn * n].reshape((gn, n))
+        b = gn * n
+        qs = row[b:b + gn * hd].reshape((gn, hd))
+        acc = row[b + gn * hd:b + 2 * gn * hd].reshape((gn, hd))
+        b += 2 * gn * hd
+        qsum = row[b:b + gn * ng].reshape((gn, ng))
+        qm = row[b + gn * ng:b + gn * ng + gn]
+        row_f = row[b + gn * ng + gn:need]
+        row[gn * n:b + gn * ng + gn] = 0  # qs, acc, qsum, qm
+    else:
+        s = np.empty((gn, n), np.float32)
+        qs = np.zeros((gn, hd), np.float32)
+        acc = np.zeros((gn, hd), np.float32)
+        qsum = np.zeros((gn, ng), np.float32)
+        qm = np.zeros(gn, np.float32)
+        row_f = np.empty(hd, np.float32)
+    return s, qs, acc, qsum, qm, row_f
+
+
+def decode_scratch_q(cache, hq: int, hd: int) -> np.ndarray:
+    """The quantized-cache decode scratch of ``cache``, allocated once and kept on it.
+
+    float32 ``[2 * Hkv, grp * (S + 2 hd + hd / G + 1) + hd]`` (``grp = Hq / Hkv``, ``S``
+    the most slots of a layer, ``G`` the cache's group size): one row per decode work
+    item (:func:`_item_scratch_q`), so that a decode step allocates nothing here.
+    """
+    hkv, g = cache.n_kv_heads, cache.group_size
+    grp = hq // hkv
+    n = max(getattr(cache, "slots", [cache.max_tokens]))
+    cols = grp * (n + 2 * hd + hd // g + 1) + hd
+    scr = cache.__dict__.get("_cpu_attnq_scratch")
+    if scr is None or scr.shape[1] < cols:
+        scr = cache._cpu_attnq_scratch = np.empty((2 * hkv, cols), np.float32)
+    return scr
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
-               window, softcap, split):  # one (token, KV head, query-head half) work item
+               window, softcap, split, scr):  # one (token, KV head, query-head half) item
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     gsz = hmat.shape[0]
@@ -233,9 +279,9 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, 
     linear = kpos.shape[0] == 0
     t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kq.shape[0], linear, start,
                                          window)
-    qs = np.zeros((gn, hd), np.float32)  # scaled, channel-scaled (c), rotated query heads
-    qsum = np.zeros((gn, ng), np.float32)
-    qm = np.zeros(gn, np.float32)  # q . m: int4's K channel offset (0 for 8-bit K)
+    # qs: scaled, channel-scaled (c), rotated query heads; qm = q . m: int4's K channel
+    # offset (0 for 8-bit K); s scores; acc the weighted V sum; row_f one dequantized row
+    s, qs, acc, qsum, qm, row_f = _item_scratch_q(scr, item, gn, n, hd, ng)
     for g in range(gn):
         for j in range(ng):
             b = j * gsz
@@ -249,8 +295,7 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, 
             for c in range(gsz):
                 tot += qs[g, b + c]
             qsum[g, j] = tot
-    s = np.empty((gn, n), np.float32)
-    _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng)
+    _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f)
     for g in range(gn):
         for jj in range(n):
             s[g, jj] += qm[g]
@@ -262,8 +307,7 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, 
                     s[g, jj] = -np.inf
     for g in range(gn):
         _softmax_inplace(s[g], softcap)
-    acc = np.zeros((gn, hd), np.float32)
-    _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng)
+    _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f)
     for g in range(gn):
         for d in range(hd):
             out[t, g0 + g, d] = acc[g, d]
@@ -271,7 +315,7 @@ def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
 def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
-                window, softcap):
+                window, softcap, scr):
     """out[T, Hq, hd] = softmax(q . K^T * scale) V over a quantized cache layer.
 
     Args:
@@ -284,21 +328,23 @@ def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start
             + q . m``, one rotation and one dot per query head.
         kpos: int64 [S] position of each slot (ring), or [0]: slot j = position j.
         start, scale, window, softcap: as :func:`.attention.attention`.
+        scr: float32 per-item scratch (:func:`decode_scratch_q`), or [0, 0]: items whose
+            row is missing or too short allocate their own (prefill).
     """
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     split = 2 if (t_n == 1 and hq // hkv > 1) else 1
     for item in prange(t_n * hkv * split):
         _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
-                   scale, window, softcap, split)
+                   scale, window, softcap, split, scr)
 
 
 @njit(cache=True, fastmath=_FM)
 def attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
-                       window, softcap):
+                       window, softcap, scr):
     """As :func:`attention_q` on the calling thread (short decode contexts: no fork/join)."""
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     for item in range(t_n * hkv):
         _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
-                   scale, window, softcap, 1)
+                   scale, window, softcap, 1, scr)

@@ -13,6 +13,8 @@ CPU kernels want (see :mod:`._simd`):
   padded activations are zero, so padded columns contribute nothing.
 
 This is a copy made once at upload (never on disk): ~4.5 bits/weight for INT4 g128.
+8-bit codes whose width is already a multiple of 32 need no change: :func:`repack_q8_view`
+wraps given codes (e.g. a copy-on-write file view of an ``.eif`` embedding) without a copy.
 """
 from __future__ import annotations
 
@@ -105,6 +107,30 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     sz = (sc * z).astype(np.float32)
     return CpuQuantWeight(w.bits, out, w.in_features, g, nb, np.ascontiguousarray(wp),
                           sc, sz, bmap)
+
+
+def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | None:
+    """The 8-bit weight ``w`` for the CPU kernels with ``codes`` as its ``wp`` (no copy).
+
+    Args:
+        w: an 8-bit weight (symmetric by format) whose ``in_padded`` is a multiple of 32
+            and whose blocks align with its groups.
+        codes: int8 ``[out, in_padded]`` writable, C-contiguous, equal to ``w.qweight``
+            (e.g. :func:`edgeinfer.backends.osmemory.private_file_view` of it).
+
+    Returns:
+        the weight (``sc`` a float32 copy of the scales, ``sz`` zeros), or None if ``w``
+        does not qualify (the caller repacks).
+    """
+    if (w.bits != 8 or w.in_padded % BLOCK or not blocks_align_with_groups(w)
+            or codes.dtype != np.int8 or codes.shape != w.qweight.shape
+            or not codes.flags.c_contiguous or not codes.flags.writeable):
+        return None
+    nb, g, ng = w.in_padded // BLOCK, w.group_size, w.n_groups
+    bmap = np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
+    sc = np.ascontiguousarray(w.scales, dtype=np.float32)
+    return CpuQuantWeight(8, w.out_features, w.in_features, g, nb, codes, sc,
+                          np.zeros_like(sc), bmap)
 
 
 assert SYMMETRIC_ZERO_4BIT == 8  # the 4-bit symmetric zero the kernels assume via zero_points()

@@ -1,0 +1,247 @@
+"""A warm decode step on the CPU backend allocates no numpy array and no Numba array.
+
+Detection (each with a positive control that must trip it):
+
+* numpy: a counting ``PyDataMem_Handler`` installed with numpy's C API
+  (``PyDataMem_SetHandler``, reached through ``ctypes``) counts every array-data
+  malloc / calloc / realloc while the steps run, transient ones included (tracemalloc's
+  domain 389047 only shows the arrays still alive at a snapshot; its peak mixes in the
+  Python objects every step creates, so a 4-byte positions array would go unseen);
+* Numba: the runtime's allocation counter (``NRT`` stats), for arrays created inside
+  the kernels (``np.empty`` in an ``@njit`` function never reaches numpy's allocator).
+
+Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused path
+needs 4-bit weights), KV cache f32 / f16 / int8 / int4 / k8v4.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+from edgeinfer.backends.cpu import CpuBackend
+from edgeinfer.models.config import ModelConfig
+from edgeinfer.models.transformer import Transformer
+from numba import njit
+from test_cpu_model import MODEL_DIR, PROMPT, rtn4, rtn8_rows
+
+pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
+                                reason="stories260K not available")
+
+
+# ---- a counting numpy data allocator ---------------------------------------------------
+class _Allocator(ctypes.Structure):
+    _fields_ = [("ctx", ctypes.c_void_p), ("malloc", ctypes.c_void_p),
+                ("calloc", ctypes.c_void_p), ("realloc", ctypes.c_void_p),
+                ("free", ctypes.c_void_p)]
+
+
+class _Handler(ctypes.Structure):  # numpy's PyDataMem_Handler (version 1)
+    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8),
+                ("allocator", _Allocator)]
+
+
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype = _libc.calloc.restype = _libc.realloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+_libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+_libc.realloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.free.argtypes = [ctypes.c_void_p]
+_COUNT = [0]
+_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_CALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
+_REALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _malloc(ctx, n):
+    _COUNT[0] += 1
+    return _libc.malloc(n)
+
+
+def _calloc(ctx, n, s):
+    _COUNT[0] += 1
+    return _libc.calloc(n, s)
+
+
+def _realloc(ctx, p, n):
+    _COUNT[0] += 1
+    return _libc.realloc(p, n)
+
+
+def _free(ctx, p, n):
+    _libc.free(p)
+
+
+# kept alive for the whole session: arrays allocated through the handler free through it
+_FNS = (_MALLOC(_malloc), _CALLOC(_calloc), _REALLOC(_realloc), _FREE(_free))
+_HANDLER = _Handler(b"edgeinfer_test_counting", 1,
+                    _Allocator(None, *(ctypes.cast(f, ctypes.c_void_p) for f in _FNS)))
+ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+ctypes.pythonapi.PyCapsule_GetPointer.restype = ctypes.c_void_p
+ctypes.pythonapi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_NAME = ctypes.create_string_buffer(b"mem_handler")  # the capsule keeps this pointer
+_CAPSULE = ctypes.pythonapi.PyCapsule_New(ctypes.addressof(_HANDLER), ctypes.addressof(_NAME),
+                                          None)
+
+
+def _set_handler():
+    """numpy's ``PyDataMem_SetHandler`` (C-API slot 304 since numpy 1.22)."""
+    from numpy._core import _multiarray_umath as mu
+    table = ctypes.pythonapi.PyCapsule_GetPointer(mu._ARRAY_API, None)
+    fn = ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p))[304]
+    return ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(fn)
+
+
+@contextlib.contextmanager
+def numpy_allocs():
+    """Yields a list whose item 0 becomes the number of numpy data allocations made in
+    the ``with`` body (this thread's context)."""
+    set_handler = _set_handler()
+    out = [0]
+    old = set_handler(_CAPSULE)
+    _COUNT[0] = 0
+    try:
+        yield out
+    finally:
+        out[0] = _COUNT[0]
+        set_handler(old)
+
+
+def _n_arrays(args) -> int:
+    return sum(_n_arrays(a) if isinstance(a, tuple) else isinstance(a, np.ndarray) for a in args)
+
+
+@contextlib.contextmanager
+def nrt_allocs():
+    """As :func:`numpy_allocs` for arrays allocated inside Numba kernels (NRT): the
+    runtime's allocation count minus one per array argument of each Numba call (passing
+    an array to a kernel wraps it in a runtime record, counted as an allocation too)."""
+    from numba.core.dispatcher import Dispatcher, _DispatcherBase
+    from numba.core.runtime import _nrt_python, rtsys
+    _nrt_python.memsys_enable_stats()
+    out = [0]
+    unboxed = [0]
+    orig = Dispatcher.__dict__.get("__call__")
+
+    def call(self, *a, **k):
+        unboxed[0] += _n_arrays(a) + _n_arrays(tuple(k.values()))
+        return _DispatcherBase.__call__(self, *a, **k)
+
+    Dispatcher.__call__ = call
+    a0 = rtsys.get_allocation_stats().alloc
+    try:
+        yield out
+    finally:
+        out[0] = rtsys.get_allocation_stats().alloc - a0 - unboxed[0]
+        if orig is None:
+            del Dispatcher.__call__
+        else:
+            Dispatcher.__call__ = orig
+
+
+@njit(cache=False)
+def _kernel_with_empty(n):  # positive control for nrt_allocs
+    return np.empty(n, np.float32).shape[0]
+
+
+@njit(cache=False)
+def _sum_first(t, b):  # negative control: arrays in, no allocation
+    return t[0][0] + t[1][1] + b[2]
+
+
+def test_counters_catch_allocations():
+    """Positive controls: a 4-byte numpy array, a numpy temporary, a Numba np.empty."""
+    with numpy_allocs() as n:
+        np.arange(3, 4, dtype=np.int32)
+    assert n[0] == 1
+    a = np.ones(5, np.float32)
+    with numpy_allocs() as n:
+        _ = a * 2
+    assert n[0] >= 1
+    with numpy_allocs() as n:
+        np.multiply(a, a, out=a)  # (a Python scalar operand would allocate a 0-d array)
+        _ = a[1:3].reshape(2, 1)  # views allocate no data
+    assert n[0] == 0
+    _kernel_with_empty(3)
+    with nrt_allocs() as n:
+        _kernel_with_empty(3)
+    assert n[0] == 1
+    _sum_first((a, a), a)
+    with nrt_allocs() as n:  # array arguments alone count nothing
+        _sum_first((a, a), a)
+    assert n[0] == 0
+    # tracemalloc's numpy domain sees only what is still alive at the snapshot
+    tracemalloc.start()
+    try:
+        keep = np.empty(7, np.float32)
+        snap = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    finally:
+        tracemalloc.stop()
+    assert any(t.size >= keep.nbytes for t in snap.traces)
+
+
+@pytest.fixture(scope="module")
+def quant_model():
+    from safetensors.numpy import load_file
+    cfg = ModelConfig.from_hf_dict(json.loads((MODEL_DIR / "config.json").read_text()))
+    dense = load_file(str(MODEL_DIR / "model.safetensors"))
+    quant = {k: rtn8_rows(v) if k == "lm_head.weight"
+             else rtn4(v, 32) if v.ndim == 2 and "embed" not in k else v
+             for k, v in dense.items()}
+    return Transformer(cfg, quant, CpuBackend(), 256)
+
+
+@pytest.mark.parametrize("kv", ["int8", "f16", "f32", "int4", "k8v4"])
+def test_warm_decode_step_allocates_nothing(quant_model, kv):
+    m = quant_model
+    cache = m.new_cache(64, kv)
+    m.forward(PROMPT, cache)
+    ids = np.zeros(1, np.int32)
+    out = np.empty((1, m.cfg.vocab_size), np.float32)
+    for t in (7, 300):  # warm-up: scratch, prepared arguments, compiled kernels
+        ids[0] = t
+        m.forward(ids, cache, out=out)
+    with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
+        for t in (11, 42, 5):
+            ids[0] = t
+            y = m.forward(ids, cache, out=out)
+    assert y is out
+    assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 3 decode steps ({kv} cache)"
+    assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 3 decode steps ({kv} cache)"
+    # the same loop with one np.empty per step is caught (positive control in situ)
+    with numpy_allocs() as n_np:
+        for t in (11, 42, 5):
+            ids[0] = t
+            m.forward(ids, cache, out=out)
+            np.empty(1, np.int32)
+    assert n_np[0] >= 3
+
+
+def test_engine_decode_one_allocates_nothing(quant_model):
+    """The engine's decode step reuses its id and logits buffers; greedy sampling reads
+    the logits without a float64 copy (two 0-d reduction results per token remain)."""
+    from edgeinfer.engine import Engine
+    from edgeinfer.sampling import SamplingParams, sample
+    eng = Engine(quant_model, None, n_ctx=64, kv_dtype="int8", prefill_chunk=8)
+    logits, _ = eng.prefill(PROMPT.tolist())
+    params = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(0)
+    tok = sample(logits, params, rng)
+    for _ in range(2):  # warm-up
+        logits = eng.decode_one(tok)
+        tok = sample(logits, params, rng)
+    with numpy_allocs() as n_step, nrt_allocs() as n_nrt:
+        for _ in range(3):
+            logits = eng.decode_one(tok)
+    with numpy_allocs() as n_sample:
+        for _ in range(3):
+            tok = sample(logits, params, rng)
+    assert n_step[0] == 0 and n_nrt[0] == 0
+    assert n_sample[0] <= 6
+    assert tok == int(np.argmax(logits))
