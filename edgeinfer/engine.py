@@ -30,7 +30,7 @@ import numpy as np
 
 from .detokenizer import StreamingDetokenizer
 from .errors import ContextOverflowError
-from .sampling import SamplingParams, sample
+from .sampling import Sampler, SamplingParams
 from .stopping import StopChecker
 from .tokenizer import Tokenizer
 
@@ -145,6 +145,10 @@ class Engine:
     # decode_one's reused buffers: the token id int32 [1] and the logits float32 [1, V]
     _ids1: np.ndarray = field(default=None, init=False, repr=False, compare=False)
     _logits: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    # the sampling workspace (V-sized buffers) reused by one stream after another; a
+    # stream takes it out while it runs, so a second stream started meanwhile (another
+    # thread, an abandoned generator) makes its own instead of sharing it
+    _sampler: Sampler | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cache is None:
@@ -243,7 +247,7 @@ class Engine:
         stats.reused_tokens = reused
         t_prefill = time.perf_counter() - t0
         stats.prefill_tok_s = (len(prompt_ids) - reused) / max(t_prefill, 1e-9)
-        history = list(prompt_ids)
+        sampler = None
         step_times: list[float] = []
         finish = None
         t_last = t0
@@ -251,7 +255,12 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
-            token = sample(logits, params, rng, history)
+            if sampler is None:  # after prefill: V is the logits' length
+                sampler, self._sampler = self._sampler, None
+                if sampler is None or sampler.vocab != logits.shape[-1]:
+                    sampler = Sampler(logits.shape[-1])
+                sampler.start(params, prompt_ids)
+            token = sampler.sample(logits, rng)
             now = time.perf_counter()
             if stats.generated_tokens == 0:
                 stats.ttft_s = now - t0
@@ -259,7 +268,7 @@ class Engine:
                 step_times.append(now - t_last)
             t_last = now
             stats.generated_tokens += 1
-            history.append(token)
+            sampler.accept(token)
             finish = stopper.on_token(token)
             if finish == "stop":  # an EOS id (on_token's only "stop"): not emitted
                 break
@@ -275,6 +284,8 @@ class Engine:
                 finish = "length"
                 break
             logits = self.decode_one(token)
+        if sampler is not None:
+            self._sampler = sampler
         if finish != "stop" or not stopper.stopped_by_string:
             tail, _ = stopper.feed(detok.flush())
             tail += stopper.flush()

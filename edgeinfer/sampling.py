@@ -19,9 +19,11 @@ processors, not samplers, as in HF and llama.cpp).
 
 All arithmetic is float64 (a softmax over 262144 logits in float32 loses the tail).
 Public filters never modify their input; they return a new float64 array of the same
-shape ``[V]`` where removed entries are ``-inf``. ``sample`` makes one float64 copy of
-the logits and works on it in place (plain greedy, without penalties, needs no copy). Randomness comes only from the ``numpy.random.
-Generator`` passed in: the same seed and inputs give the same token.
+shape ``[V]`` where removed entries are ``-inf``. :class:`Sampler` runs the chain on a
+workspace allocated once per stream (a decode step allocates nothing; the engine keeps
+one); ``sample`` is the one-shot form. Randomness comes only from the
+``numpy.random.Generator`` passed in, one ``random()`` per sampled token: the same seed
+and inputs give the same tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "Sampler",
     "SamplingParams",
     "apply_presence_frequency_penalty",
     "apply_repetition_penalty",
@@ -83,7 +86,7 @@ class SamplingParams:
         def integer(name: str) -> int:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+                raise ValueError(f"{name} must be an integer, got {v!r}")  # noqa: TRY004
             return int(v)
 
         if real("temperature") < 0:
@@ -300,9 +303,187 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     return _filter_full(logits, _min_p_keep, float(min_p))
 
 
+# ---------------------------------------------------------------- allocation-free sampler
+# The chain on a workspace allocated once: numpy ufuncs with ``out=`` for the floating
+# point, Numba kernels for the rest (edgeinfer/_sampling_kernels.py says why the split
+# keeps the token choices bit-identical to the plain numpy chain). Imported by the first
+# ``Sampler.start`` that needs them: ``import edgeinfer.api`` must not import Numba.
+def _greedy(x: np.ndarray, out: np.ndarray | None) -> int:
+    """Plain greedy: argmax of ``x`` [V] as given, no float64 copy (the widening is exact,
+    so the same id). ``out``: a 0-d intp array for the index (None: numpy makes one)."""
+    i = int(np.argmax(x, out=out))  # the first NaN, else the first +inf, else the max
+    m = float(x[i])
+    if math.isnan(m) or m == math.inf:
+        raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
+    if m == -math.inf:
+        raise ValueError("every logit is -inf; nothing can be sampled")
+    return i
+
+
+class Sampler:
+    """A sampling workspace: ``sample``'s chain with no allocation per token.
+
+    One per generation stream (it holds the penalty window of that stream); reusable
+    across streams through :meth:`start`. Not thread-safe: one thread at a time.
+
+    Buffers (allocated by :meth:`start` on first need, then reused; V = ``vocab``):
+    the float64 working copy of the logits, candidate ids int64 / logits float64,
+    probability and cumulative-sum scratch float64, all [V]; a [top_k] heap; with
+    penalties, counts / distinct ids / positions int64 [V] and a [penalty_last_n] ring.
+
+    Usage::
+
+        s = Sampler(vocab); s.start(params, prompt_ids)
+        tok = s.sample(logits, rng); s.accept(tok)   # per token
+
+    ``sample(logits, rng)`` after ``start(params, history)`` returns what
+    ``sample(logits, params, rng, history)`` does, drawing the same single
+    ``rng.random()`` per non-greedy token.
+    """
+
+    def __init__(self, vocab: int) -> None:
+        if vocab < 1:
+            raise ValueError(f"vocab must be >= 1, got {vocab}")
+        self.vocab = int(vocab)
+        self.params = SamplingParams(temperature=0.0)
+        self._penalized = False
+        self._buf: dict[str, np.ndarray] = {}
+        self._zi = np.zeros((), np.intp)   # argmax result
+        self._z = np.zeros((), np.float64)  # reductions' result / broadcast scalar
+        self._ring = np.zeros(0, np.int64)  # also the empty int64 array of the unpenalized
+        self._state = np.zeros(3, np.int64)
+        self._one = np.zeros(1, np.int64)  # accept()'s id
+        self._k = None  # the kernels module, imported on first need
+
+    def _get(self, name: str, n: int, dtype=np.float64) -> np.ndarray:
+        a = self._buf.get(name)
+        if a is None or a.size < n:
+            a = self._buf[name] = np.zeros(n, dtype)
+        return a
+
+    def start(self, params: SamplingParams, history: Sequence[int] | np.ndarray = ()) -> None:
+        """Begin a sequence: take ``params`` and fill the penalty window from ``history``
+        (the ids seen so far, prompt included). Allocates what ``params`` need.
+
+        Raises:
+            ValueError: history ids outside [0, vocab) (only checked when penalized).
+        """
+        V = self.vocab
+        n = params.penalty_last_n
+        self.params = params
+        self._penalized = bool(n != 0 and (params.repetition_penalty != 1.0 or
+                                           params.presence_penalty or params.frequency_penalty))
+        if self._k is None and (self._penalized or params.temperature > 0):
+            from . import _sampling_kernels
+            self._k = _sampling_kernels
+        K = self._k
+        if self._penalized:
+            ids = _history_ids(history, V)
+            ids = np.ascontiguousarray(ids[-n:] if n > 0 else ids)
+            counts = self._get("counts", V, np.int64)
+            distinct = self._get("distinct", V, np.int64)
+            K._window_clear(counts, distinct, self._state)
+            if self._ring.size != max(n, 0):
+                self._ring = np.zeros(max(n, 0), np.int64)
+            K._window_push(ids, counts, distinct, self._get("where", V, np.int64),
+                           self._ring, self._state)
+        if params.temperature > 0 or self._penalized:
+            for name in ("x", "vals", "t", "p", "cp"):
+                self._get(name, V)
+            self._get("idx", V, np.int64)
+            self._get("heap", min(max(params.top_k, 1), V))
+
+    def accept(self, token: int) -> None:
+        """Append a sampled (or forced) id to the penalty window; O(1), no allocation.
+
+        Raises:
+            ValueError: ``token`` outside [0, vocab).
+        """
+        if not self._penalized:
+            return
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"history ids must be in [0, {self.vocab}), got range "
+                             f"[{token}, {token}]")
+        self._one[0] = token
+        self._k._window_push(self._one, self._buf["counts"], self._buf["distinct"],
+                             self._buf["where"], self._ring, self._state)
+
+    def sample(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+        """Pick the next id from ``logits`` [V] (float16/32/64, not modified).
+
+        Returns:
+            A token id in [0, V) as a Python int.
+
+        Raises:
+            ValueError: logits not [V], containing NaN or +inf, or all -inf; or (sampling
+                only) no finite logit left, or +inf, after penalties and temperature
+                (float64 logits near 1e308 or penalties that overflow; the numpy chain
+                crashed there or drew from NaNs).
+        """
+        x = np.asarray(logits)  # (an ndarray is passed through: no copy)
+        if x.ndim != 1 or x.size != self.vocab:
+            raise ValueError(f"logits must be a 1-D array [{self.vocab}], got shape {x.shape}")
+        params = self.params
+        if params.temperature == 0 and not self._penalized:
+            return _greedy(x, self._zi)
+        b = self._buf
+        xf = b["x"]  # [V] float64 working copy
+        src = x
+        if x.dtype != np.float32 and x.dtype != np.float64:  # (2 compiled signatures)
+            np.copyto(xf, x)
+            src = xf
+        nd = int(self._state[0]) if self._penalized else 0
+        none = self._ring[:0]  # int64 [0]: one compiled signature for both cases
+        K = self._k
+        status = K._load_penalize(src, xf, b.get("counts", none), b.get("distinct", none), nd,
+                                  float(params.repetition_penalty),
+                                  float(params.presence_penalty), float(params.frequency_penalty))
+        if status == 1:
+            raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
+        if status == 2:
+            raise ValueError("every logit is -inf; nothing can be sampled")
+        if params.temperature == 0:
+            np.argmax(xf, out=self._zi)
+            return int(self._zi)
+        idx, vals, t, p, z = b["idx"], b["vals"], b["t"], b["p"], self._z
+        n, m = K._temper_top_k(xf, float(params.temperature), int(params.top_k), b["heap"],
+                               idx, vals, p)
+        if n == 0 or m == math.inf:
+            raise ValueError("no finite logit left after penalties and temperature "
+                             "(overflow); lower the penalties or raise the temperature")
+        if params.top_p < 1.0:
+            z[()] = m
+            np.subtract(vals[:n], z, out=t[:n])
+            np.exp(t[:n], out=p[:n])
+            np.add.reduce(p[:n], out=z)
+            np.divide(p[:n], z, out=p[:n])
+            thr = (1.0 - params.top_p) / n  # below it: dropped before sorting (exact)
+            cp = b["cp"]
+            k = K._gather_above(p, n, thr, cp)
+            np.add.reduce(cp[:k], out=z)
+            z[()] = 1.0 - z[()]  # the pre-dropped mass, first in the cumulative sum
+            cp[:k].sort()
+            np.cumsum(cp[:k], out=t[:k])
+            np.add(t[:k], z, out=t[:k])
+            n, m = K._top_p_compact(p, n, thr, cp, t, k, 1.0 - params.top_p, idx, vals)
+        if params.min_p > 0.0:
+            n, m = K._min_p_compact(idx, vals, n, m + math.log(params.min_p))
+        # inverse CDF over the survivors (ascending ids): one uniform number per token
+        z[()] = m
+        np.subtract(vals[:n], z, out=t[:n])
+        np.exp(t[:n], out=p[:n])
+        np.cumsum(p[:n], out=t[:n])
+        i = K._search_right(t, n, rng.random() * t[n - 1])
+        self._n = n  # the support size of the last draw (tests compare idx[:n], t[:n])
+        return int(idx[min(i, n - 1)])
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
            history: Sequence[int] | np.ndarray = ()) -> int:
     """Pick the next token id from ``logits`` with the chain in the module docstring.
+
+    A one-shot :class:`Sampler` (its buffers allocated for this call); a decode loop
+    keeps one ``Sampler`` per stream instead (as :meth:`edgeinfer.engine.Engine.stream`).
 
     Args:
         logits: [V] float16/32/64 logits of the last position (not modified).
@@ -319,51 +500,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         ValueError: logits not 1-D, containing NaN or +inf, or all -inf; history ids out
             of range.
     """
-    n = params.penalty_last_n
-    penalized = n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty
-                            or params.frequency_penalty)
-    if params.temperature == 0 and not penalized:
-        # plain greedy: argmax of the logits as given, no float64 copy (the widening is
-        # exact, so the same id); max() is NaN if any is NaN, +inf if any is +inf
-        x = np.asarray(logits)
-        if x.ndim != 1 or x.size == 0:
-            raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
-        m = float(x.max())  # a Python float: numpy scalar ops would allocate 0-d arrays
-        if math.isnan(m) or m == math.inf:
-            raise ValueError("logits contain NaN or +inf (a numerical fault in the model "
-                             "forward)")
-        if m == -math.inf:
-            raise ValueError("every logit is -inf; nothing can be sampled")
-        return int(np.argmax(x))
-    x = _as_f64_copy(logits)  # [V] float64, the only full-size allocation besides masks
-    if np.isnan(x).any() or np.isposinf(x).any():
-        raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
-    if penalized:
-        ids = _history_ids(history, x.size)
-        if n > 0:
-            ids = ids[-n:]
-        if ids.size:
-            if params.repetition_penalty != 1.0:
-                _repetition_penalty_(x, ids, params.repetition_penalty)
-            if params.presence_penalty or params.frequency_penalty:
-                _presence_frequency_(x, ids, params.presence_penalty, params.frequency_penalty)
-    m = x.max()
-    if m == -np.inf:
-        raise ValueError("every logit is -inf; nothing can be sampled")
-    if params.temperature == 0:
-        return int(np.argmax(x))
-    x /= params.temperature
-    # top-k straight on the full vector: one O(V) partition, then only ~k candidates remain
-    k = params.top_k
-    floor = np.partition(x, x.size - k)[x.size - k] if 0 < k < x.size else -np.inf
-    idx = np.flatnonzero(x >= floor) if floor > -np.inf else np.flatnonzero(x > -np.inf)
-    vals = x[idx]  # [n] tempered logits of the candidate ids idx [n] (ascending ids)
-    for keep_fn, arg in ((_top_p_keep, params.top_p), (_min_p_keep, params.min_p)):
-        keep = keep_fn(vals, arg)
-        if keep is not None:
-            idx, vals = idx[keep], vals[keep]
-    # Draw by inverse CDF over the survivors (ascending id order): one uniform number
-    # per token, so a seed gives the same ids whatever the candidate count.
-    cdf = np.cumsum(np.exp(vals - vals.max()))
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(idx[min(i, idx.size - 1)])
+    x = np.asarray(logits)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
+    if params.temperature == 0 and (params.penalty_last_n == 0 or (
+            params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty)):
+        return _greedy(x, None)  # no workspace needed
+    s = Sampler(x.size)
+    s.start(params, history)
+    return s.sample(x, rng)

@@ -11,7 +11,9 @@ Detection (each with a positive control that must trip it):
   the kernels (``np.empty`` in an ``@njit`` function never reaches numpy's allocator).
 
 Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused path
-needs 4-bit weights), KV cache f32 / f16 / int8 / int4 / k8v4.
+needs 4-bit weights), KV cache f32 / f16 / int8 / int4 / k8v4. Sampling: the engine's
+``Sampler`` workspace, greedy and sampled (temperature / top-k / top-p / min-p /
+penalties), alone and inside the whole ``Engine.stream`` loop.
 """
 from __future__ import annotations
 
@@ -224,24 +226,91 @@ def test_warm_decode_step_allocates_nothing(quant_model, kv):
 
 
 def test_engine_decode_one_allocates_nothing(quant_model):
-    """The engine's decode step reuses its id and logits buffers; greedy sampling reads
-    the logits without a float64 copy (two 0-d reduction results per token remain)."""
+    """The engine's decode step reuses its id and logits buffers; greedy sampling through
+    a ``Sampler`` reads the logits without a float64 copy and allocates nothing either."""
     from edgeinfer.engine import Engine
-    from edgeinfer.sampling import SamplingParams, sample
+    from edgeinfer.sampling import Sampler, SamplingParams, sample
     eng = Engine(quant_model, None, n_ctx=64, kv_dtype="int8", prefill_chunk=8)
     logits, _ = eng.prefill(PROMPT.tolist())
     params = SamplingParams(temperature=0.0)
     rng = np.random.default_rng(0)
-    tok = sample(logits, params, rng)
+    s = Sampler(logits.shape[-1])
+    s.start(params, PROMPT.tolist())
+    tok = s.sample(logits, rng)
     for _ in range(2):  # warm-up
         logits = eng.decode_one(tok)
-        tok = sample(logits, params, rng)
+        tok = s.sample(logits, rng)
     with numpy_allocs() as n_step, nrt_allocs() as n_nrt:
         for _ in range(3):
             logits = eng.decode_one(tok)
     with numpy_allocs() as n_sample:
         for _ in range(3):
-            tok = sample(logits, params, rng)
+            tok = s.sample(logits, rng)
+            s.accept(tok)
     assert n_step[0] == 0 and n_nrt[0] == 0
-    assert n_sample[0] <= 6
-    assert tok == int(np.argmax(logits))
+    assert n_sample[0] == 0
+    assert tok == int(np.argmax(logits)) == sample(logits, params, rng)
+
+
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 0}, {"presence_penalty": 0.3,
+                                   "frequency_penalty": 0.2, "penalty_last_n": 4},
+                                   {"penalty_last_n": -1, "top_p": 1.0, "min_p": 0.0}])
+def test_sampled_decode_loop_allocates_nothing(quant_model, extra):
+    """decode_one + Sampler.sample + accept with temperature / top-k / top-p / min-p /
+    penalties: no numpy and no Numba allocation per token once warm (the penalty window
+    slides: last_n 4 makes ids leave it). The one-shot ``sample`` (which builds its
+    workspace per call, as the numpy chain made its arrays per call) is the positive
+    control: the counters see its allocations in the same loop."""
+    from edgeinfer.engine import Engine
+    from edgeinfer.sampling import Sampler, SamplingParams, sample
+    eng = Engine(quant_model, None, n_ctx=64, kv_dtype="int8", prefill_chunk=8)
+    params = SamplingParams(**{**SAMPLED, **extra, "seed": 3})
+    logits, _ = eng.prefill(PROMPT.tolist())
+    rng = np.random.default_rng(params.seed)
+    s = Sampler(logits.shape[-1])
+    s.start(params, PROMPT.tolist())
+    history = PROMPT.tolist()
+    for _ in range(3):  # warm-up: compiled kernels, buffers
+        tok = s.sample(logits, rng)
+        s.accept(tok)
+        history.append(tok)
+        logits = eng.decode_one(tok)
+    with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
+        for _ in range(6):
+            tok = s.sample(logits, rng)
+            s.accept(tok)
+            history.append(tok)
+            logits = eng.decode_one(tok)
+    assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 6 sampled decode steps"
+    assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 6 sampled decode steps"
+    with numpy_allocs() as n_old:
+        for _ in range(3):
+            tok = sample(logits, params, rng, history)
+            history.append(tok)
+            logits = eng.decode_one(tok)
+    assert n_old[0] >= 3 * 5  # per token: the float64 copy, candidate arrays, ...
+
+
+def test_engine_stream_allocates_nothing_per_sampled_token(quant_model):
+    """The whole Engine.stream loop (sampling, stop checks, detokenizer, timing) with the
+    sampled settings: 60 tokens allocate exactly as many numpy arrays as 20 (prefill,
+    workspace and stats are per stream, not per token)."""
+    from edgeinfer.api import tokenizer_for
+    from edgeinfer.engine import Engine
+    from edgeinfer.readers import read_model
+    from edgeinfer.sampling import SamplingParams
+    eng = Engine(quant_model, tokenizer_for(read_model(str(MODEL_DIR))), n_ctx=128,
+                 kv_dtype="int8", prefill_chunk=8)
+    params = SamplingParams(**SAMPLED, seed=3)
+    list(eng.stream(PROMPT.tolist(), params, max_tokens=8))  # warm-up
+    counts = []
+    for n in (20, 60):
+        eng.reset()
+        with numpy_allocs() as n_np:
+            final = list(eng.stream(PROMPT.tolist(), params, max_tokens=n))[-1]
+        assert final.stats.generated_tokens == n  # (the tiny model emits no EOS here)
+        counts.append(n_np[0])
+    assert counts[1] == counts[0], counts

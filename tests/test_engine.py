@@ -13,7 +13,7 @@ GOLDEN = ", there was a little girl named Lily. She loved to play outside in the
 
 @pytest.fixture(scope="module")
 def model(stories_dir):
-    import edgeinfer.api as api
+    from edgeinfer import api
     from edgeinfer.readers import read_model
 
     return api.Model(read_model(str(stories_dir)), backend="reference", n_ctx=128)
@@ -60,7 +60,7 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
 
 def test_generation_stops_at_end_of_context(model):
     ids = [1] + [300] * 120
-    text, final = model.engine.generate(ids, max_tokens=50)
+    _text, final = model.engine.generate(ids, max_tokens=50)
     assert final.finish_reason == "length"
     assert final.stats.generated_tokens == 128 - 121 + 1
 
@@ -81,7 +81,7 @@ def test_cancel_from_another_thread_stops_within_one_step(model):
 
 
 def test_max_memory_sizes_the_context_and_refuses_what_cannot_fit(stories_dir):
-    import edgeinfer.api as api
+    from edgeinfer import api
     from edgeinfer.errors import MemoryBudgetError
     from edgeinfer.memory import plan_memory
     from edgeinfer.readers import read_model
@@ -105,7 +105,7 @@ def test_max_memory_sizes_the_context_and_refuses_what_cannot_fit(stories_dir):
 
 
 def test_chat_drops_oldest_turns_when_the_context_is_full(stories_dir):
-    import edgeinfer.api as api
+    from edgeinfer import api
     from edgeinfer.readers import read_model
 
     m = api.Model(read_model(str(stories_dir)), backend="reference", n_ctx=64)
@@ -144,3 +144,34 @@ def test_chat_session_keeps_the_kv_cache_between_turns(stories_dir):
     assert fresh == second
     chat.reset()
     assert chat.messages == []
+
+
+def test_sampled_stream_matches_the_numpy_chain_and_reuses_its_sampler(model):
+    """Engine.stream with penalties and every truncation picks the ids the plain numpy
+    chain (test_sampling's reference) picks from the same logits, history and seed; its
+    sampling workspace is made once and reused by later streams."""
+    from test_sampling import _ref_sample
+
+    from edgeinfer.sampling import SamplingParams
+
+    eng = model.engine
+    prompt = model.encode_prompt("Once upon a time")
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05,
+                            repetition_penalty=1.1, presence_penalty=0.2,
+                            frequency_penalty=0.1, penalty_last_n=8, seed=11)
+    eng.reset()
+    got = [ev.token for ev in eng.stream(prompt, params, max_tokens=24) if ev.token is not None]
+    sampler = eng._sampler
+    assert sampler is not None and len(got) > 1
+    eng.reset()
+    rng = np.random.default_rng(params.seed)
+    history = list(prompt)
+    logits, _ = eng.prefill(history)
+    want = []
+    for _ in got:
+        want.append(_ref_sample(logits, params, rng, history))
+        history.append(want[-1])
+        logits = eng.decode_one(want[-1])
+    assert got == want
+    list(eng.stream(prompt, params, max_tokens=3))
+    assert eng._sampler is sampler

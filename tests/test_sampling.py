@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from edgeinfer.sampling import (
-    SamplingParams, apply_presence_frequency_penalty, apply_repetition_penalty,
-    apply_temperature, make_rng, min_p_filter, sample, top_k_filter, top_p_filter,
+    Sampler,
+    SamplingParams,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    apply_temperature,
+    make_rng,
+    min_p_filter,
+    sample,
+    top_k_filter,
+    top_p_filter,
 )
 
 
@@ -167,18 +175,18 @@ def test_penalties_apply_in_greedy_and_respect_last_n():
 
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(min_p=-0.01), "min_p"),
-    (dict(min_p=1.01), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(penalty_last_n=-2), "penalty_last_n"),
-    (dict(seed=-1), "seed"),
-    (dict(presence_penalty=float("inf")), "presence_penalty"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"min_p": -0.01}, "min_p"),
+    ({"min_p": 1.01}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"penalty_last_n": -2}, "penalty_last_n"),
+    ({"seed": -1}, "seed"),
+    ({"presence_penalty": float("inf")}, "presence_penalty"),
 ])
 def test_invalid_params_raise(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -214,3 +222,194 @@ def test_large_vocab_is_fast_enough():
     per_call = (time.perf_counter() - t0) / 5
     assert 0 <= tok < 262_144
     assert per_call < 0.5  # generous: the full-vocabulary nucleus path, no top-k
+
+
+# ---------------------------------------------------------------- workspace sampler == numpy chain
+# The reference: the plain-numpy ``sample`` this runtime used before the allocation-free
+# ``Sampler`` (a verbatim copy, so that later edits of sampling.py cannot move it), with a
+# hook returning its final support: candidate ids and cumulative weights.
+def _ref_sample(logits, params, rng, history=(), trace=None):
+    x = np.array(logits, dtype=np.float64, copy=True)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError("logits must be a non-empty 1-D array")
+    n = params.penalty_last_n
+    penalized = n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty
+                            or params.frequency_penalty)
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError("logits contain NaN or +inf")
+    if penalized:
+        ids = np.asarray(history, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= x.size):
+            raise ValueError("history ids out of range")
+        if n > 0:
+            ids = ids[-n:]
+        if ids.size:
+            if params.repetition_penalty != 1.0:
+                u = np.unique(ids)
+                s = x[u]
+                x[u] = np.where(s < 0, s * params.repetition_penalty,
+                                s / params.repetition_penalty)
+            if params.presence_penalty or params.frequency_penalty:
+                u, counts = np.unique(ids, return_counts=True)
+                x[u] -= counts * params.frequency_penalty + params.presence_penalty
+    if x.max() == -np.inf:
+        raise ValueError("every logit is -inf")
+    if params.temperature == 0:
+        return int(np.argmax(x))
+    x /= params.temperature
+    k = params.top_k
+    floor = np.partition(x, x.size - k)[x.size - k] if 0 < k < x.size else -np.inf
+    idx = np.flatnonzero(x >= floor) if floor > -np.inf else np.flatnonzero(x > -np.inf)
+    vals = x[idx]
+    if params.top_p < 1.0:
+        p = np.exp(vals - vals.max())
+        p /= p.sum()
+        cand = np.flatnonzero(p > (1.0 - params.top_p) / vals.size)
+        order = cand[np.argsort(p[cand], kind="stable")]
+        cum = np.cumsum(p[order]) + (1.0 - p[cand].sum())
+        remove = cum <= 1.0 - params.top_p
+        remove[-1] = False
+        keep = np.zeros(vals.size, dtype=bool)
+        keep[order[~remove]] = True
+        idx, vals = idx[keep], vals[keep]
+    if params.min_p > 0.0:
+        keep = vals >= vals.max() + math.log(params.min_p)
+        idx, vals = idx[keep], vals[keep]
+    cdf = np.cumsum(np.exp(vals - vals.max()))
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if trace is not None:
+        trace[:] = [idx, cdf]
+    return int(idx[min(i, idx.size - 1)])
+
+
+def _random_logits(g, vocab, kind, dtype):
+    x = g.normal(size=vocab) * g.choice([0.05, 1.0, 4.0, 30.0])
+    if kind == "ties":       # few distinct values: ties at the top-k / top-p boundaries
+        x = np.round(x / 4.0) if x.std() > 0 else x
+    elif kind == "-inf":     # masked entries (grammar / banned tokens)
+        x[g.random(vocab) < 0.4] = -np.inf
+        x[g.integers(vocab)] = 0.5
+    elif kind == "huge":     # magnitudes float64 holds but float32 does not
+        x = x * (1e300 if dtype == np.float64 else 1e30)
+    elif kind == "flat":
+        x[:] = 1.25
+    elif kind == "ascending":  # the top-k heap's worst case: its quickselect fallback
+        x = np.sort(np.round(x, 1))
+    return x.astype(dtype)
+
+
+def _random_params(g, vocab):
+    return SamplingParams(
+        temperature=float(g.choice([0.0, 0.25, 0.8, 1.0, 1.7])),
+        top_k=int(g.choice([0, 1, 2, 40, vocab, vocab + 5])),
+        top_p=float(g.choice([1.0, 0.95, 0.9, 0.5, 0.05])),
+        min_p=float(g.choice([0.0, 0.05, 0.2, 1.0])),
+        repetition_penalty=float(g.choice([1.0, 1.1, 1.3, 0.9])),
+        presence_penalty=float(g.choice([0.0, 0.0, 0.4, -0.3])),
+        frequency_penalty=float(g.choice([0.0, 0.0, 0.25])),
+        penalty_last_n=int(g.choice([-1, 0, 1, 3, 64])))
+
+
+@pytest.mark.parametrize("vocab, cases", [(1, 40), (2, 80), (7, 300), (100, 200), (49152, 30)])
+def test_sampler_picks_the_reference_tokens(vocab, cases):
+    """Same ids as the numpy chain, for random logits (ties, -inf, huge values, float16 /
+    32 / 64), settings and seeds, over several steps whose ids feed the penalty window
+    (short windows make ids leave it). Each draw's support (ids and cumulative weights)
+    is bit-identical too, so no draw can differ, not only these ones."""
+    g = np.random.default_rng(vocab)
+    kinds = ["normal", "ties", "-inf", "huge", "flat", "ascending"]
+    for case in range(cases):
+        dtype = [np.float32, np.float64, np.float16][case % 3]
+        kind = kinds[case % len(kinds)] if dtype != np.float16 or case % 6 != 3 else "normal"
+        params = _random_params(g, vocab)
+        history = g.integers(0, vocab, size=int(g.integers(0, 12))).tolist()
+        seed = int(g.integers(2**32))
+        ref_rng, rng = make_rng(seed), make_rng(seed)
+        s = Sampler(vocab)
+        s.start(params, history)
+        for step in range(6):
+            logits = _random_logits(g, vocab, kind, dtype)
+            trace = []
+            want = _ref_sample(logits, params, ref_rng, history, trace)
+            assert s.sample(logits, rng) == want, (case, step, kind, params)
+            assert sample(logits, params, make_rng(seed + step), history) == \
+                _ref_sample(logits, params, make_rng(seed + step), history)
+            if trace:
+                idx, cdf = trace
+                np.testing.assert_array_equal(s._buf["idx"][:s._n], idx)
+                np.testing.assert_array_equal(s._buf["t"][:s._n], cdf)  # bitwise
+            history.append(want)
+            s.accept(want)
+        assert rng.bit_generator.state == ref_rng.bit_generator.state  # same draws
+
+
+def test_sampler_reuse_across_streams_and_errors_match():
+    g = np.random.default_rng(5)
+    s = Sampler(50)
+    for _ in range(30):  # one workspace, many streams with different settings
+        params = _random_params(g, 50)
+        history = g.integers(0, 50, size=int(g.integers(0, 80))).tolist()
+        s.start(params, history)
+        logits = g.normal(size=50)
+        assert s.sample(logits, make_rng(1)) == _ref_sample(logits, params, make_rng(1), history)
+    pen = SamplingParams(repetition_penalty=1.2, penalty_last_n=-1)
+    for bad in ([0.0, math.nan], [0.0, math.inf], [-math.inf, -math.inf]):
+        with pytest.raises(ValueError):
+            _ref_sample(np.array(bad), pen, make_rng(0), [1])
+        s = Sampler(2)
+        s.start(pen, [1])
+        with pytest.raises(ValueError, match="NaN" if not math.isinf(bad[1]) or bad[1] > 0
+                           else "-inf"):
+            s.sample(np.array(bad), make_rng(0))
+    # penalties that push every finite logit to -inf: both refuse
+    huge = np.array([-1e308, -1e308])
+    with pytest.raises(ValueError, match="-inf"):
+        s.start(SamplingParams(repetition_penalty=2.0, penalty_last_n=-1), [0, 1])
+        s.sample(huge, make_rng(0))
+    with pytest.raises(ValueError, match="0, 2"):
+        s.accept(2)
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        s.sample(np.zeros(3), make_rng(0))
+
+
+def test_overflow_after_temperature_raises_a_clear_error():
+    """A deliberate change: float64 logits near 1e308 divided by a temperature < 1
+    overflow to +inf; the numpy chain then crashed (IndexError) or drew from NaNs."""
+    logits = np.array([1.7e308, 1.0, 0.0])
+    params = SamplingParams(temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)
+    with pytest.raises(IndexError), np.errstate(all="ignore"):
+        _ref_sample(logits, params, make_rng(0))
+    with pytest.raises(ValueError, match="overflow"):
+        sample(logits, params, make_rng(0))
+
+
+def test_kth_largest_quickselect_matches_partition():
+    from edgeinfer._sampling_kernels import _kth_largest
+    g = np.random.default_rng(9)
+    for _ in range(400):
+        n = int(g.integers(1, 300))
+        a = np.round(g.normal(size=n) * g.choice([0.3, 5.0]))  # many ties
+        a[g.random(n) < 0.2] = -np.inf
+        if g.random() < 0.3:
+            a = np.sort(a)[::-1 if g.random() < 0.5 else 1].copy()
+        k = int(g.integers(1, n + 1))
+        assert _kth_largest(a.copy(), k) == np.partition(a, n - k)[n - k]
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "organ"])
+def test_sampler_top_k_adversarial_orders(order):
+    """Ascending logits make every id replace the heap's minimum (the quickselect
+    fallback runs); descending and organ-pipe ones stress the heap's early exits."""
+    g = np.random.default_rng(1)
+    x = np.sort(np.round(g.normal(size=49152) * 3, 2))
+    x = {"ascending": x, "descending": x[::-1].copy(),
+         "organ": np.concatenate([x[::2], x[1::2][::-1]])}[order]
+    for k in (1, 40, 1000):
+        params = SamplingParams(temperature=0.7, top_k=k, top_p=1.0, min_p=0.0)
+        s = Sampler(x.size)
+        s.start(params)
+        for seed in range(3):
+            trace = []
+            assert s.sample(x, make_rng(seed)) == _ref_sample(x, params, make_rng(seed),
+                                                              trace=trace)
+            np.testing.assert_array_equal(s._buf["idx"][:s._n], trace[0])
