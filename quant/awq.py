@@ -1,27 +1,46 @@
 """AWQ: activation-aware weight quantization with scales folded into the previous op.
 
 Lin, Tang, Tang, Yang, Chen, Wang, Xiao, Dang, Gan, Han, "AWQ: Activation-aware Weight
-Quantization for On-Device LLM Compression and Acceleration", MLSys 2024.
+Quantization for On-Device LLM Compression and Acceleration", MLSys 2024; reference
+implementation AutoAWQ (``awq/quantize/quantizer.py``: ``_search_best_scale``,
+``_search_best_clip``), read for the rules below, not copied.
 
-Per scale group (a previous op feeding one or more linears that share an input):
+Per decoder layer (:func:`awq_quantize_layer`), per scale group (a previous op feeding one
+or more linears that share an input), in order:
 
-1. **Scale search** (§3.2, AutoAWQ ``_search_best_scale``): with ``a = mean|x|`` per
-   input channel, try ``s = a^α`` for α on a 20-point grid in [0, 1), normalize
-   ``s /= sqrt(max(s)·min(s))``, and keep the α minimizing the MSE between the group's
-   float output ``x Wᵀ`` and ``x (Q(W·diag s)/s)ᵀ`` (α = 0 is plain RTN, so the search never
-   does worse than RTN on its own objective). Deviation from AutoAWQ, documented: the
-   objective is the stacked linear outputs of the group (e.g. q|k|v), not the whole
-   attention/MLP block output. Cost (see :func:`search_scale`): exact Gram-matrix form when
-   the token sample outnumbers the input width, float32 fake quantization, the loss averaged
-   over at most 1024 evenly spaced output rows, a coarse-to-fine pass over the grid.
-2. **Clip search** (AutoAWQ ``_search_best_clip``): per output row and group, shrink the
-   max-abs range by (1 − i/20), i = 0..9, keeping the shrink with the lowest per-group
-   partial-output MSE, computed exactly from per-group Gram matrices over the whole token
-   sample (AutoAWQ: 512 sampled tokens). Skipped for q/k (their errors are amplified
-   by the attention softmax; AutoAWQ skips them too).
-3. **Fold**: the linears' input columns are multiplied by ``s`` and the previous op is
+1. **Scale search** (§3.2): with ``a = mean|x|`` per input channel and, by default,
+   AutoAWQ's *duo scaling* (``w_mean`` = per-input-channel mean over rows of ``|w|`` divided
+   by its group's max-abs, :func:`weight_mean`), try ``s = a^α / w_mean^(1−α)`` (or
+   ``a^α`` alone with ``duo=False``) for α on a 20-point grid in [0, 1), normalize
+   ``s /= sqrt(max(s)·min(s))``, keep the α whose ``Q(W·diag s)/s`` minimizes the
+   objective. Objective: for gate|up, AutoAWQ's block output, the MLP output
+   ``down(act(x Gᵀ) ⊙ x Uᵀ)`` with ``down`` in float, on 512 evenly strided tokens
+   (:func:`mlp_objective`); for the other groups the MSE of the stacked linear outputs
+   (AutoAWQ uses the attention block's output for q|k|v: a deviation, see below), exact from
+   the Gram matrix when the sample outnumbers the input width, the loss averaged over at
+   most 1024 evenly spaced rows, a coarse-to-fine pass over the grid (:func:`search_scale`).
+2. **Fold**: the linears' input columns are multiplied by ``s`` and the previous op is
    divided by ``s`` (RMSNorm weight ``w / s``, or ``(1 + w)/s − 1`` for Gemma's (1 + w)
    norms; the rows (and bias) of a previous linear), so the runtime pays nothing.
+3. **Clip search** (AutoAWQ ``_search_best_clip``, extended): per output row and group,
+   the range is shrunk on the grid ``1 − i/20``, i = 0..9, keeping the candidate with the
+   lowest per-group partial-output MSE, exact from per-group Gram matrices over the whole
+   token sample (AutoAWQ: 512 sampled tokens). For the asymmetric format the lower and upper
+   bounds shrink separately (:func:`search_clip_range`: the joint shrink, then one
+   coordinate pass over each bound; AutoAWQ shrinks max-abs only, ``clip_range=False``).
+   q/k are never clipped (attention logits amplify their error; AutoAWQ skips them too).
+4. **Clip gate** (ours): a linear keeps its searched clip only if it lowers a whole-output
+   objective: gate and up jointly on the MLP output (as in step 1), each other linear on its
+   own full output (cross-group terms included). Why: the per-group objective cannot see
+   errors that are small per group but *coherent* across groups and rows. Qwen2.5's first
+   token (the attention sink, no BOS) has a huge MLP output (norm ~600 vs ~5 at layer 3),
+   and clipping gate/up there multiplied that token's MLP error by ~20 while lowering it
+   elsewhere (measured on layer-output proxies); end to end, Qwen2.5-Coder-0.5B with the
+   ungated clip was worse than RTN (+17.5% vs +11.7% ΔPPL).
+
+Deviations, measured and left: q|k|v use the linear-output objective, not AutoAWQ's
+attention-block output (on a per-layer proxy the block objective changed the layer-output
+MSE by −6.5%..+3.4% on 5 layers of the two models, at several times the cost); no v→o group under GQA (AutoAWQ skips it too).
 
 The architecture knowledge (which op feeds which linears) is data: :data:`AWQ_SCALE_GROUPS`,
 as mlx-lm's ``AWQ_MODEL_CONFIGS``. The v_proj → o_proj group needs ``v`` rows to map 1:1 on
@@ -30,8 +49,8 @@ as mlx-lm's ``AWQ_MODEL_CONFIGS``. The v_proj → o_proj group needs ``v`` rows 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -112,10 +131,55 @@ def fake_quantize32(w: np.ndarray, bits: int = 4, group_size: int = 128,
     return ((q - z3) * s3).reshape(out, in_pad)[:, :n_in]
 
 
+def weight_mean(w: np.ndarray, group_size: int, bits: int = 4) -> np.ndarray:
+    """AutoAWQ's per-input-channel weight salience for duo scaling: ``|w|`` divided by its
+    group's max-abs (per row and group), averaged over the output rows.
+
+    Args:
+        w: ``[out, in]`` (stacked linears). Returns: float64 ``[in]``.
+    """
+    w = np.abs(np.asarray(w, np.float64))
+    out, n_in = w.shape
+    g, in_pad = resolve_group(n_in, group_size, bits)
+    wp = np.zeros((out, in_pad))
+    wp[:, :n_in] = w
+    wg = wp.reshape(out, in_pad // g, g)
+    wg = wg / np.maximum(wg.max(axis=-1, keepdims=True), 1e-12)
+    return wg.reshape(out, in_pad)[:, :n_in].mean(axis=0)
+
+
+def mlp_objective(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                  act: str = "silu", max_tokens: int = 512) -> Callable[[np.ndarray], float]:
+    """Block objective of the gate|up scale group (AutoAWQ: ``module2inspect = mlp``): the
+    MSE of the MLP output ``down(act(x Gᵀ) ⊙ x Uᵀ)`` with the candidate ``[G; U]`` and the
+    float ``down``, on at most ``max_tokens`` evenly spaced tokens of ``x``.
+
+    Returns:
+        ``f(wq [2·inter, in]) -> loss``.
+    """
+    from ..backends.reference import ReferenceBackend
+
+    glu = ReferenceBackend().glu
+    x = np.asarray(x, np.float32)
+    x = x[::max(1, -(-x.shape[0] // max_tokens))]
+    gate, up = np.asarray(gate, np.float32), np.asarray(up, np.float32)
+    dT = np.ascontiguousarray(np.asarray(down, np.float32).T)
+    ref = glu(x @ gate.T, x @ up.T, act)
+    n_g = gate.shape[0]
+
+    def f(wq: np.ndarray) -> float:
+        m = glu(x @ wq[:n_g].T, x @ wq[n_g:].T, act)
+        m -= ref
+        return float(np.mean(np.square(m @ dT), dtype=np.float64))
+    return f
+
+
 def search_scale(x: np.ndarray, act_mean: np.ndarray, w: np.ndarray, bits: int = 4,
                  group_size: int = 128, symmetric: bool = False, n_grid: int = 20,
                  max_rows: int = 1024, max_direct_tokens: int = 512,
-                 coarse_to_fine: bool = True) -> tuple[np.ndarray, float, list[float]]:
+                 coarse_to_fine: bool = True, duo: bool = False,
+                 objective: Callable[[np.ndarray], float] | None = None
+                 ) -> tuple[np.ndarray, float, list[float]]:
     """Grid-search AWQ's per-input-channel scale (paper §3.2).
 
     The loss of a candidate is the output MSE ``mean((x ΔWᵀ)²)`` with
@@ -138,6 +202,10 @@ def search_scale(x: np.ndarray, act_mean: np.ndarray, w: np.ndarray, bits: int =
         bits, group_size, symmetric: the target format.
         n_grid: grid points α = i / n_grid, i = 0..n_grid-1.
         max_rows, max_direct_tokens, coarse_to_fine: the cost controls above.
+        duo: candidates ``a^α / w_mean^(1−α)`` (AutoAWQ's duo scaling; α = 0 is then not
+            RTN) instead of ``a^α``.
+        objective: ``f(Q(W·s)/s) -> loss`` replacing the linear-output MSE (a block
+            objective such as :func:`mlp_objective`; ``x`` is then unused).
 
     Returns:
         ``(s float64 [in], best α, losses per α)`` (NaN where not evaluated); ``s`` is 1
@@ -145,26 +213,33 @@ def search_scale(x: np.ndarray, act_mean: np.ndarray, w: np.ndarray, bits: int =
     """
     x = np.asarray(x, np.float32)
     w = np.asarray(w, np.float64)
-    if w.shape[0] > max_rows:
+    a = np.maximum(np.asarray(act_mean, np.float64), 1e-4)
+    wm = weight_mean(w, group_size, bits) if duo else None
+    if objective is not None:
+        w32 = w.astype(np.float32)
+    if objective is None and w.shape[0] > max_rows:
         w = w[np.unique(np.linspace(0, w.shape[0] - 1, max_rows).round().astype(np.int64))]
     n, n_in = x.shape
-    gram = n > n_in
+    gram = objective is None and n > n_in
     if gram:
         G = x.T @ x
-    elif n > max_direct_tokens:
+    elif objective is None and n > max_direct_tokens:
         x = x[np.linspace(0, n - 1, max_direct_tokens).round().astype(np.int64)]
     norm = float(x.shape[0] if not gram else n) * w.shape[0]
-    a = np.maximum(np.asarray(act_mean, np.float64), 1e-4)
     w32 = w.astype(np.float32)
 
     def scale(i: int) -> np.ndarray:
-        s = np.maximum(a ** (i / n_grid), 1e-4)
+        al = i / n_grid
+        s = a ** al if wm is None else a ** al / (wm ** (1.0 - al) + 1e-4)
+        s = np.maximum(s, 1e-4)
         return s / np.sqrt(s.max() * s.min())
 
     def loss(i: int) -> float:
         s = scale(i)
         dw = fake_quantize32((w * s).astype(np.float32), bits, group_size, symmetric)
         dw /= s.astype(np.float32)
+        if objective is not None:
+            return float(objective(dw))
         dw -= w32
         e = (dw @ G) * dw if gram else np.square(x @ dw.T)
         return float(np.sum(e, dtype=np.float64)) / norm
@@ -181,9 +256,25 @@ def search_scale(x: np.ndarray, act_mean: np.ndarray, w: np.ndarray, bits: int =
     return scale(i), i / n_grid, losses
 
 
+def _group_err(x: np.ndarray, n_in: int, g: int, in_pad: int
+               ) -> Callable[[np.ndarray], np.ndarray]:
+    """``err(dw [out, in_pad]) -> [out, n_groups]``: per (row, group) partial-output squared
+    error ``Σ_t (x_tj · Δw_rj)²``, exact from the per-group Gram matrices ``G_j = x_jᵀ x_j``
+    (``out·in·g`` per candidate)."""
+    ng = in_pad // g
+    xs = np.zeros((x.shape[0], in_pad), np.float32)  # padded columns see zero input
+    xs[:, :n_in] = np.asarray(x, np.float32)
+    xg = xs.reshape(-1, ng, g).transpose(1, 0, 2)  # [G, n, g]
+    G = np.matmul(xg.transpose(0, 2, 1), xg)  # [G, g, g]
+
+    def err(dw: np.ndarray) -> np.ndarray:
+        d = dw.reshape(dw.shape[0], ng, g).transpose(1, 0, 2)  # [G, out, g]
+        return np.sum(np.matmul(d, G) * d, axis=-1).T
+    return err
+
+
 def search_clip(x: np.ndarray, w: np.ndarray, bits: int = 4, group_size: int = 128,
-                symmetric: bool = False, n_grid: int = 20, max_shrink: float = 0.5
-                ) -> np.ndarray:
+                symmetric: bool = False, n_grid: int = 20, max_shrink: float = 0.5) -> np.ndarray:
     """Per (row, group) max-abs clip minimizing the group's partial output MSE (AutoAWQ).
 
     The error of a candidate on group ``j`` of row ``r`` is ``mean_t (x_tj · Δw_rj)²``,
@@ -202,11 +293,7 @@ def search_clip(x: np.ndarray, w: np.ndarray, bits: int = 4, group_size: int = 1
     out, n_in = w.shape
     g, in_pad = resolve_group(n_in, group_size, bits)
     ng = in_pad // g
-    x = np.asarray(x, np.float32)
-    xs = np.zeros((x.shape[0], in_pad), np.float32)  # padded columns see zero input
-    xs[:, :n_in] = x
-    xg = xs.reshape(-1, ng, g).transpose(1, 0, 2)  # [G, n, g]
-    G = np.matmul(xg.transpose(0, 2, 1), xg)  # [G, g, g]
+    group_err = _group_err(x, n_in, g, in_pad)
     wp = np.zeros((out, in_pad))
     wp[:, :n_in] = w
     org_max = np.abs(wp.reshape(out, ng, g)).max(axis=-1)  # [out, G]
@@ -215,13 +302,108 @@ def search_clip(x: np.ndarray, w: np.ndarray, bits: int = 4, group_size: int = 1
     best_clip = org_max.copy()
     for i in range(int(max_shrink * n_grid)):
         clip = org_max * (1.0 - i / n_grid)
-        dw = (fake_quantize32(w32, bits, g, symmetric, clip.astype(np.float32)) - w32)
-        dw = dw.reshape(out, ng, g).transpose(1, 0, 2)  # [G, out, g]
-        err = np.sum(np.matmul(dw, G) * dw, axis=-1).T  # [out, G] (x n)
+        err = group_err(fake_quantize32(w32, bits, g, symmetric, clip.astype(np.float32)) - w32)
         better = err < best_err
         best_err[better] = err[better]
         best_clip[better] = clip[better]
     return best_clip
+
+
+def search_clip_range(x: np.ndarray, w: np.ndarray, bits: int = 4, group_size: int = 128,
+                      n_grid: int = 20, max_shrink: float = 0.5, rounds: int = 1
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Clip search with separate bounds for the asymmetric format: per (row, group) a lower
+    bound ``f_lo·min(w, 0)`` and an upper bound ``f_hi·max(w, 0)``, the shrinks on the same
+    grid as :func:`search_clip` (``1 − i/n_grid``, i < ``max_shrink·n_grid``), minimizing the
+    same exact per-group partial-output MSE (Gram matrices). Search: the joint shrink
+    ``f_lo = f_hi`` first (10 candidates), then ``rounds`` coordinate passes over ``f_lo``
+    then ``f_hi`` (10 each; a group keeps its current pair unless a candidate lowers its
+    error, so the result is never worse on this objective than the best joint shrink).
+    The weights are clamped to the bounds (not saturated as the max-abs clip is), exactly as
+    they are then stored (:func:`clamp_groups`). Cost: ``(1 + 2·rounds)`` times
+    :func:`search_clip`'s.
+
+    Args:
+        x: float ``[n, in]`` inputs (already divided by the AWQ scale).
+        w: float ``[out, in]`` weight (already multiplied by the AWQ scale).
+
+    Returns:
+        ``(lo [out, n_groups] ≤ 0, hi [out, n_groups] ≥ 0)`` float64: clamp each group to
+        ``[lo, hi]`` before :func:`~edgeinfer.quant.rtn.quantize_rtn` (see :func:`clamp_groups`).
+    """
+    w = np.asarray(w, np.float64)
+    out, n_in = w.shape
+    g, in_pad = resolve_group(n_in, group_size, bits)
+    ng = in_pad // g
+    group_err = _group_err(x, n_in, g, in_pad)
+    wp = np.zeros((out, in_pad), np.float32)
+    wp[:, :n_in] = w
+    wg = wp.reshape(out, ng, g)
+    lo0, hi0 = np.minimum(wg.min(axis=-1), 0.0), np.maximum(wg.max(axis=-1), 0.0)
+    fr = [1.0 - i / n_grid for i in range(int(max_shrink * n_grid))]
+
+    def err(fl: np.ndarray, fh: np.ndarray) -> np.ndarray:
+        lo, hi = (lo0 * fl)[..., None], (hi0 * fh)[..., None]
+        wq = fake_quantize32(np.clip(wg, lo, hi).reshape(out, in_pad), bits, g, False)
+        return group_err(wq - wp)  # [out, G]
+
+    best_l, best_h = np.ones((out, ng)), np.ones((out, ng))
+    best = np.full((out, ng), np.inf)
+
+    def trial(fl, fh):
+        nonlocal best
+        e = err(fl, fh)
+        m = e < best
+        best = np.where(m, e, best)
+        best_l[m] = np.broadcast_to(fl, m.shape)[m]
+        best_h[m] = np.broadcast_to(fh, m.shape)[m]
+
+    for f in fr:
+        trial(np.full((out, ng), f), np.full((out, ng), f))
+    for _ in range(rounds):
+        for f in fr:
+            trial(np.full((out, ng), f), best_h.copy())
+        for f in fr:
+            trial(best_l.copy(), np.full((out, ng), f))
+    return lo0 * best_l, hi0 * best_h
+
+
+def group_bounds(w: np.ndarray, group_size: int, bits: int = 4
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per (row, group) ``(min(w, 0), max(w, 0))`` (padding as in the quantizer)."""
+    w = np.asarray(w, np.float64)
+    out, n_in = w.shape
+    g, in_pad = resolve_group(n_in, group_size, bits)
+    wp = np.zeros((out, in_pad))
+    wp[:, :n_in] = w
+    wg = wp.reshape(out, in_pad // g, g)
+    return np.minimum(wg.min(axis=-1), 0.0), np.maximum(wg.max(axis=-1), 0.0)
+
+
+def linear_objective(x: np.ndarray, w: np.ndarray, max_tokens: int = 512
+                     ) -> Callable[[np.ndarray], float]:
+    """``f(wq) = mean((x wqᵀ − x wᵀ)²)`` on every ``⌈n / max_tokens⌉``-th token of ``x``."""
+    x = np.asarray(x, np.float32)[::max(1, -(-x.shape[0] // max_tokens))]
+    ref = x @ np.asarray(w, np.float32).T
+
+    def f(wq: np.ndarray) -> float:
+        return float(np.mean(np.square(x @ wq.T - ref), dtype=np.float64))
+    return f
+
+
+def clamp_groups(w: np.ndarray, lo: np.ndarray, hi: np.ndarray, group_size: int,
+                 bits: int = 4) -> np.ndarray:
+    """``w`` clamped per (row, group) to ``[lo, hi]`` (padding handled as in the quantizer);
+    the asymmetric quantizer then takes exactly ``[lo, hi]`` as the group's range, and the
+    codes equal those of the unclamped ``w`` quantized on that range (out-of-range weights
+    saturate to the edge codes either way)."""
+    w = np.asarray(w, np.float64)
+    out, n_in = w.shape
+    g, in_pad = resolve_group(n_in, group_size, bits)
+    wp = np.zeros((out, in_pad))
+    wp[:, :n_in] = w
+    wg = np.clip(wp.reshape(out, in_pad // g, g), lo[..., None], hi[..., None])
+    return wg.reshape(out, in_pad)[:, :n_in]
 
 
 def _fold_prev(lw: dict, prev: str, s: np.ndarray, cfg: ModelConfig) -> None:
@@ -255,8 +437,11 @@ def fold_scale(cfg: ModelConfig, lw: dict, group: ScaleGroup, s: np.ndarray) -> 
 
 def awq_quantize_layer(cfg: ModelConfig, lw: dict, inputs: dict, *, bits: int = 4,
                        group_size: int = 128, symmetric: bool = False, n_grid: int = 20,
-                       clip: bool = True) -> tuple[dict, dict]:
-    """AWQ-quantize one decoder layer.
+                       clip: bool = True, duo: bool = True, block: bool = True,
+                       no_clip: tuple[str, ...] = NO_CLIP, clip_range: bool = True,
+                       clip_gate: bool = True
+                       ) -> tuple[dict, dict]:
+    """AWQ-quantize one decoder layer (module docstring: steps 1-4).
 
     Args:
         cfg: model config (selects :data:`AWQ_SCALE_GROUPS` and the (1 + w) fold).
@@ -264,11 +449,18 @@ def awq_quantize_layer(cfg: ModelConfig, lw: dict, inputs: dict, *, bits: int = 
             not modified.
         inputs: capture key -> ``(x_sample float32 [n, in], act_mean [in])`` from calibration.
         bits, group_size, symmetric: target format.
-        n_grid: α grid size. clip: run the clip search.
+        n_grid: α grid size. clip: run the clip search (at all).
+        duo: AutoAWQ's duo scaling ``s = a^α / w_mean^(1−α)`` (else ``s = a^α``).
+        block: gate|up's scale search on the MLP output (else the stacked linear outputs).
+        no_clip: linears never clipped. clip_range: separate lower / upper clip bounds
+            (asymmetric format only; else AutoAWQ's max-abs shrink).
+        clip_gate: keep a linear's searched clip only when it lowers the whole output (MLP
+            output for gate+up jointly, the linear's output otherwise).
 
     Returns:
         ``(new layer dict, info)``: linears become QuantizedTensor (method "awq"); folded
-        norms float32; ``info`` maps each group to its chosen α.
+        norms float32; ``info`` maps each scale group to its chosen α and, with
+        ``clip_gate``, ``"clip:<linears>"`` to 1.0 (clip kept) or 0.0 (dropped).
     """
     lw = {k: np.asarray(v, np.float64) for k, v in lw.items()}
     xs = {k: (np.asarray(x, np.float32), np.asarray(m, np.float64)) for k, (x, m) in inputs.items()}
@@ -279,19 +471,57 @@ def awq_quantize_layer(cfg: ModelConfig, lw: dict, inputs: dict, *, bits: int = 
         x, am = xs[grp.capture]
         w = np.concatenate([lw[n] for n in grp.linears], axis=0)
         g = effective_group(w.shape[1], group_size)
-        s, alpha, _ = search_scale(x, am, w, bits, g, symmetric, n_grid)
+        obj = None
+        if block and grp.linears == ("gate_proj", "up_proj") and "down_proj" in lw:
+            obj = mlp_objective(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"],
+                                "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
+        s, alpha, _ = search_scale(x, am, w, bits, g, symmetric, n_grid, duo=duo,
+                                   objective=obj)
         info["+".join(grp.linears)] = alpha
         fold_scale(cfg, lw, grp, s)
         # the captured input of this group now sees x / s (AutoAWQ scales input_feat too)
         xs[grp.capture] = (x / s.astype(np.float32), am / s)
+    lin = [k for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj") if k in lw]
+    cap_of = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+    prop: dict = {}  # linear -> (clamped weight, max-abs clip): its searched clip
+    for k in lin:
+        if not clip or k in no_clip:
+            continue
+        v, g = lw[k], effective_group(lw[k].shape[1], group_size)
+        x_c = xs[cap_of.get(k, k)][0]
+        if clip_range and not symmetric:
+            lo, hi = search_clip_range(x_c, v, bits, g)
+            prop[k] = (clamp_groups(v, lo, hi, g, bits), None)
+        else:  # saturating max-abs clip, as quantize_rtn / fake_quantize32 apply it
+            prop[k] = (v, search_clip(x_c, v, bits, g, symmetric))
+    if clip_gate and prop:  # keep a searched clip only if a whole-output objective agrees
+        def fq(k: str, use: bool) -> np.ndarray:
+            w, c = prop[k] if use else (lw[k], None)
+            return fake_quantize32(np.asarray(w, np.float32), bits,
+                                   effective_group(w.shape[1], group_size), symmetric,
+                                   None if c is None else np.asarray(c, np.float32))
+        act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
+        glu = ("gate_proj", "up_proj")
+        joint = all(k in prop for k in glu) and "down_proj" in lw
+        for ks in ([glu] if joint else []) + [(k,) for k in prop if not (joint and k in glu)]:
+            if ks == glu:
+                f = mlp_objective(xs["gate_proj"][0], lw["gate_proj"], lw["up_proj"],
+                                  lw["down_proj"], act)
+            else:
+                f = linear_objective(xs[cap_of.get(ks[0], ks[0])][0], lw[ks[0]])
+            errs = [f(np.concatenate([fq(k, use) for k in ks], axis=0)) for use in (False, True)]
+            keep = bool(errs[1] < errs[0])
+            info["clip:" + "+".join(ks)] = float(keep)
+            if not keep:
+                for k in ks:
+                    del prop[k]
     out: dict = {}
     for k, v in lw.items():
-        if k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            cap = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(k, k)
-            c, g = None, effective_group(v.shape[1], group_size)
-            if clip and k not in NO_CLIP:
-                c = search_clip(xs[cap][0], v, bits, g, symmetric)
-            out[k] = quantize_rtn(v, bits, g, symmetric, clip=c, method="awq", name=k)
+        if k in lin:
+            w, c = prop.get(k, (v, None))
+            out[k] = quantize_rtn(w, bits, effective_group(v.shape[1], group_size), symmetric,
+                                  clip=c, method="awq", name=k)
         else:
             out[k] = v.astype(np.float32)
     return out, info

@@ -162,3 +162,119 @@ def test_coarse_to_fine_grid_finds_the_full_grid_minimum():
         s2, a2, l2 = search_scale(x, am, w, 4, 64)
         assert a1 == a2 and np.array_equal(s1, s2)
         assert sum(np.isfinite(l2)) <= 12 and np.nanmin(l2) == min(l1)
+
+
+def _skewed_layer(seed=6, n=2048, n_in=256, n_out=96):
+    """Correlated inputs with outlier channels and weights with a one-sided heavy tail
+    (groups whose max and min sides differ a lot, as real rows often have)."""
+    x, w = _outlier_layer(seed, n, n_in, n_out)
+    rng = np.random.default_rng(seed + 100)
+    w = w + np.where(rng.random(w.shape) < 0.01, 6.0, 0.0).astype(np.float32)
+    return x, w
+
+
+def test_search_quantizer_matches_the_stored_one_with_clips():
+    """What the clip searches score is exactly what is stored: the saturating max-abs clip
+    (fake_quantize32's ``clip`` = quantize_rtn's) and the clamped range (clamp_groups)."""
+    from edgeinfer.quant.awq import clamp_groups, fake_quantize32, search_clip_range
+
+    x, w = _skewed_layer()
+    c = search_clip(x, w, 4, 64)
+    np.testing.assert_array_equal(quantize_rtn(w, 4, 64, clip=c).dequantize(),
+                                  fake_quantize32(w, 4, 64, clip=c.astype(np.float32)))
+    lo, hi = search_clip_range(x, w, 4, 64)
+    wc = clamp_groups(w, lo, hi, 64)
+    np.testing.assert_array_equal(quantize_rtn(wc, 4, 64).dequantize(),
+                                  fake_quantize32(wc.astype(np.float32), 4, 64))
+
+
+def test_clip_range_beats_the_max_abs_clip():
+    """Separate lower / upper bounds (asymmetric format) lower the output error further than
+    AutoAWQ's max-abs shrink, which already beats no clipping."""
+    from edgeinfer.quant.awq import clamp_groups, search_clip_range
+
+    x, w = _skewed_layer()
+    none = _out_mse(x, w, quantize_rtn(w, 4, 64).dequantize())
+    c = search_clip(x, w, 4, 64)
+    maxabs = _out_mse(x, w, quantize_rtn(w, 4, 64, clip=c).dequantize())
+    lo, hi = search_clip_range(x, w, 4, 64)
+    assert np.all(lo <= 0) and np.all(hi >= 0)
+    rng_ = _out_mse(x, w, quantize_rtn(clamp_groups(w, lo, hi, 64), 4, 64).dequantize())
+    print(f"clip: none {none:.4g}, max-abs {maxabs:.4g}, range {rng_:.4g}")
+    assert maxabs < 0.95 * none and rng_ < 0.95 * maxabs
+
+
+def test_weight_mean_and_duo_scaling():
+    from edgeinfer.quant.awq import weight_mean
+
+    w = np.array([[1.0, -2.0, 0.5, 4.0], [2.0, 2.0, -1.0, 1.0]])
+    np.testing.assert_allclose(weight_mean(w, 2), [0.75, 1.0, 0.5625, 1.0])
+    x, w = _outlier_layer(7)
+    rtn = _out_mse(x, w, quantize_rtn(w, 4, 64).dequantize())
+    s, _, _ = search_scale(x, np.abs(x).mean(0), w, 4, 64, duo=True)
+    duo = _out_mse(x, w, quantize_rtn(w * s, 4, 64).dequantize() / s)
+    assert duo < 0.6 * rtn
+
+
+def _glu_layer(seed=0, n=1024, d=128, inter=512):
+    """A GLU MLP whose first token of every 64 is a 'sink' (as Qwen2.5's first token): a
+    fixed input on every 16th channel that all gate/up rows weigh alike, so the GLU product
+    and its quantization error are coherent across rows and add up through ``down``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    cols = np.arange(0, d, 16)
+    sink = np.zeros(d, np.float32)
+    sink[cols] = 8.0
+    x[::64] = sink + 0.3 * rng.standard_normal((n // 64, d)).astype(np.float32)
+    gate = (rng.standard_normal((inter, d)) * 0.1).astype(np.float32)
+    up = (rng.standard_normal((inter, d)) * 0.1).astype(np.float32)
+    gate[:, cols] = 0.35
+    up[:, cols] = 0.35
+    down = (np.abs(rng.standard_normal((d, inter))) * 0.05).astype(np.float32)
+    return x, gate, up, down
+
+
+def test_mlp_objective_matches_the_block_output():
+    from edgeinfer.quant.awq import fake_quantize32, mlp_objective
+
+    x, gate, up, down = _glu_layer()
+    be = ReferenceBackend()
+    wq = fake_quantize32(np.concatenate([gate, up]), 4, 64)
+    ref = be.glu(x @ gate.T, x @ up.T) @ down.T
+    got = be.glu(x @ wq[:512].T, x @ wq[512:].T) @ down.T
+    f = mlp_objective(x, gate, up, down, max_tokens=len(x))
+    assert f(wq) == pytest.approx(float(np.mean((got - ref) ** 2)), rel=1e-3)
+    assert f(np.concatenate([gate, up])) == 0.0
+
+
+def test_clip_gate_on_the_block_output():
+    """With a coherent 'sink' token, gate/up's per-group clip search (blind to how row errors
+    add up through ``down``) makes the quantized MLP ~13x worse than no clip; the clip gate
+    (MLP-output objective) drops gate/up's clip and keeps down's (measured on the MLP with
+    gate, up, down all INT4 and the folds applied)."""
+    from edgeinfer.quant.awq import awq_quantize_layer
+
+    x, gate, up, down = _glu_layer()
+    be = ReferenceBackend()
+    cfg = ModelConfig.from_hf_dict({"vocab_size": 32, "hidden_size": 128,
+                                    "intermediate_size": 512, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "head_dim": 8,
+                                    "rms_norm_eps": 1e-6, "model_type": "qwen2",
+                                    "num_key_value_heads": 2})
+    lw = {"post_attention_layernorm": np.ones(128), "gate_proj": gate, "up_proj": up,
+          "down_proj": down}
+    m = be.glu(x @ gate.T, x @ up.T)
+    inputs = {"gate_proj": (x, np.abs(x).mean(0)), "down_proj": (m, np.abs(m).mean(0))}
+    ref = m @ down.T
+    errs, infos = {}, {}
+    for name, kw in {"noclip": {"clip": False}, "clip": {"clip_gate": False},
+                     "gate": {"clip_gate": True}}.items():
+        q, infos[name] = awq_quantize_layer(cfg, lw, inputs, group_size=64, **kw)
+        xs = x * q["post_attention_layernorm"]  # the folded norm
+        out = be.glu(xs @ q["gate_proj"].dequantize().T, xs @ q["up_proj"].dequantize().T
+                     ) @ q["down_proj"].dequantize().T
+        errs[name] = float(np.mean((out - ref) ** 2))
+    print(errs, infos["gate"])
+    assert infos["gate"]["clip:gate_proj+up_proj"] == 0.0
+    assert infos["gate"]["clip:down_proj"] == 1.0
+    assert errs["clip"] > 3 * errs["noclip"] and errs["gate"] < 0.6 * errs["noclip"]
