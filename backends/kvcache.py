@@ -106,6 +106,31 @@ def kv_bytes_per_token_layer(n_kv_heads: int, head_dim: int, dtype: str) -> int:
     return n_kv_heads * per_head[dtype]
 
 
+def trim_rings(slot_positions: list, window_sizes: list, n: int) -> bool:
+    """Forget positions >= ``n`` in each ring layer's slot table, in place, and say
+    whether every ring still holds all the keys positions >= ``n`` can attend to
+    (``max(0, n - W + 1) .. n - 1``); shared by the host and OpenCL caches' ``trim``.
+
+    Args:
+        slot_positions: per layer an int64 [S] table (the position each slot holds, -1
+            for none) or None for a linear layer.
+        window_sizes: per layer the window W (ignored where the table is None).
+        n: the length to keep.
+
+    Returns:
+        True if the first ``n`` positions can be kept, False if the cache must reset.
+    """
+    ok = True
+    for p, w in zip(slot_positions, window_sizes):
+        if p is None:
+            continue
+        p[p >= n] = -1
+        lo = max(0, n - w + 1)
+        if np.count_nonzero((p >= lo) & (p < n)) != n - lo:
+            ok = False
+    return ok
+
+
 def layer_slots(max_tokens: int, window: int | None, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
     """Slots a layer preallocates: ``max_tokens``, or ``W - 1 + max_chunk`` if that is fewer."""
     if window is None:
@@ -277,15 +302,7 @@ class HostKVCache:
         """
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {n}")
-        ok = True
-        for p, w in zip(self._pos, self.window_sizes):
-            if p is None:
-                continue
-            p[p >= n] = -1
-            lo = max(0, n - w + 1)
-            if np.count_nonzero((p >= lo) & (p < n)) != n - lo:
-                ok = False
-        if ok:
+        if trim_rings(self._pos, self.window_sizes, n):
             self.length = n
         else:
             self.reset()

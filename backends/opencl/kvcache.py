@@ -38,6 +38,7 @@ from ..kvcache import (
     k_channel_stats,
     kv_group_size,
     layer_slots,
+    trim_rings,
 )
 from .device import cl
 
@@ -214,15 +215,7 @@ class DeviceKVCache:
         """
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {n}")
-        ok = True
-        for p, w in zip(self._pos, self.window_sizes):
-            if p is None:
-                continue
-            p[p >= n] = -1
-            lo = max(0, n - w + 1)
-            if np.count_nonzero((p >= lo) & (p < n)) != n - lo:
-                ok = False
-        if ok:
+        if trim_rings(self._pos, self.window_sizes, n):
             self.length = n
         else:
             self.reset()
