@@ -28,7 +28,8 @@ or more linears that share an input), in order:
    token sample (AutoAWQ: 512 sampled tokens). For the asymmetric format the lower and upper
    bounds shrink separately (:func:`search_clip_range`: the joint shrink, then one
    coordinate pass over each bound; AutoAWQ shrinks max-abs only, ``clip_range=False``).
-   q/k are never clipped (attention logits amplify their error; AutoAWQ skips them too).
+   q/k are never clipped (attention logits amplify their error; AutoAWQ skips them too;
+   clipping them as well measured worse end to end: Qwen2.5-Coder-0.5B PPL 36.47 vs 35.32).
 4. **Clip gate** (ours): a linear keeps its searched clip only if it lowers a whole-output
    objective: gate and up jointly on the MLP output (as in step 1), each other linear on its
    own full output (cross-group terms included). Why: the per-group objective cannot see
