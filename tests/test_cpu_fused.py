@@ -1,6 +1,7 @@
 """The CPU backend's fused decode halves (``attention_input``, ``attention_output_mlp``)
-and whole block (``decoder_block``) against the numpy reference backend, against the CPU's
-own unfused composition, and the vectorized ``exp`` they use for the activation.
+and whole block (``decoder_block``, 4-bit and dense float32 weights) against the numpy
+reference backend, against the CPU's own unfused composition, and the vectorized ``exp``
+they use for the activation.
 
 Bounds (see tests/test_cpu_kernels.py): vs the reference, the int8-activation GEMVs give
 ``ACT8_TOL``; vs the unfused CPU ops (same integer GEMVs, same activation rounding) the
@@ -196,9 +197,53 @@ def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window
     assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the fused path ran
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("d,hq,hkv,hd,f,bias,window,ring,softcap,act,threads", [
+    (64, 8, 4, 8, 172, False, None, False, None, "silu", 2),       # stories260K-like
+    (200, 3, 1, 16, 100, True, 5, False, 30.0, "gelu_tanh", 1),    # odd D/F, bias, window
+    (96, 4, 2, 32, 128, False, 4, True, None, "silu", 1),          # ring (windowed) layer
+])
+def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, window, ring,
+                                                softcap, act, threads):
+    """Dense float32 weights (backends/cpu/dense.py): the decode step == the CPU's own
+    composition of ops bit for bit (the same BLAS GEMVs and kernels, into scratch), outputs
+    and caches, also with the block's output scratch fed back as x (in place); f32/f16
+    ring layers fall back to the composition."""
+    from edgeinfer.backends import kvcache
+    rng = np.random.default_rng(d + hd + 1)
+    heads = (hq, hkv, hd)
+    qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, 32, bias)
+    qs = [q.dequantize() for q in qs]
+    mq = [random_q(rng, *s, 4, 32, sym=False).dequantize()
+          for s in ((d, hq * hd), (f, d), (f, d), (d, f))]
+    cpu = CpuBackend(threads=threads)
+    blk = _block(cpu, qs, bs, mq, nw, cos, sin, heads, window, softcap, act)
+    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
+    dense_c, comp_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(2))
+    pos = np.arange(40, dtype=np.int32)
+    start = 0
+    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
+        x = rng.standard_normal((t, d)).astype(np.float32) * 2
+        p = pos[start:start + t]
+        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
+        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
+            x_in = cpu._scratch("xo", (1, d))
+            x_in[...] = x
+        else:
+            x_in = x
+        y_d = np.array(cpu.decoder_block(x_in, blk, p, dense_c, 0))
+        assert np.array_equal(y_d, y_c)
+        for name, arr in comp_c.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), dense_c.raw(0)[name].view(np.uint8)), name
+        start += t
+    assert blk._cpu_prep[1][0] is None  # dense weights prepared (decode.py's marker)
+    prepared = dense_c._cpu_dec[0][1]
+    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the dense path ran
+
+
 def test_decoder_block_overflow_and_fallbacks():
-    """Decode past the cache raises like the composition; exact_decode and dense
-    weights take the composition."""
+    """Decode past the cache raises like the composition; exact_decode and mixed 4-bit /
+    dense weights take the composition."""
     rng = np.random.default_rng(3)
     d, hq, hkv, hd, f = 64, 4, 2, 16, 96
     heads = (hq, hkv, hd)
@@ -218,3 +263,10 @@ def test_decoder_block_overflow_and_fallbacks():
     c2 = exact.new_kv_cache(1, hkv, hd, 4, "int8")
     y = exact.decoder_block(x, be, pos[:1], c2, 0)
     assert "_cpu_dec" not in c2.__dict__ and y.shape == (1, d)
+    mixed = _block(cpu, [q.dequantize() for q in qs], bs, mq, nw, cos, sin, heads, None, None,
+                   "silu")
+    c3 = cpu.new_kv_cache(1, hkv, hd, 4, "int8")
+    y = cpu.decoder_block(x, mixed, pos[:1], c3, 0)
+    assert mixed._cpu_prep[1] is False and "_cpu_dec" not in c3.__dict__
+    assert np.array_equal(y, Backend.decoder_block(cpu, x, mixed, pos[:1],
+                                                   cpu.new_kv_cache(1, hkv, hd, 4, "int8"), 0))

@@ -1,6 +1,7 @@
 """Whole-model parity of the CPU backend with the reference on stories260K.
 
-* dense float32 weights: 64 greedy tokens identical;
+* dense float32 weights: 64 greedy tokens identical (decode through the allocation-free
+  dense block of backends/cpu/dense.py), also over f16 / int8 / int4 / k8v4 caches;
 * RTN INT4 (g32 asymmetric, padded 172 -> 192) with an 8-bit per-row head:
   identical with ``exact_decode=True`` (float activations); on the default int8-activation
   decode path, teacher-forced logits within 3e-2 normalized error every step and the
@@ -89,8 +90,10 @@ def test_greedy_identical(model, weights, exact):
     cfg, dense, quant = model
     tensors = dense if weights == "dense" else quant
     ref = greedy(Transformer(cfg, tensors, ReferenceBackend(), 256))
-    cpu = greedy(Transformer(cfg, tensors, CpuBackend(exact_decode=exact), 256))
-    assert cpu == ref
+    mc = Transformer(cfg, tensors, CpuBackend(exact_decode=exact), 256)
+    assert greedy(mc) == ref
+    if weights == "dense":  # decode ran through backends/cpu/dense.py
+        assert all(b._cpu_prep[1][0] is None for b in mc.blocks)
 
 
 def test_quant_fast_decode_teacher_forced(model):
@@ -138,11 +141,13 @@ def test_prefill_equals_prefill_plus_decode(model, weights):
         assert np.linalg.norm(fast - full) / np.linalg.norm(full) < 3e-2
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv", ["int8", "int4", "k8v4", "f16"])
 def test_greedy_identical_quantized_kv(model, kv):
-    """Dense weights, quantized KV cache (int8 = the engine default): the CPU backend's
-    in-place quantized attention gives the reference backend's greedy tokens exactly."""
+    """Dense weights, quantized (or f16) KV cache (int8 = the engine default): the CPU
+    backend's in-place quantized attention gives the reference backend's greedy tokens
+    exactly."""
     cfg, dense, _ = model
     ref = greedy(Transformer(cfg, dense, ReferenceBackend(), 256), kv=kv)
-    cpu = greedy(Transformer(cfg, dense, CpuBackend(), 256), kv=kv)
-    assert cpu == ref
+    mc = Transformer(cfg, dense, CpuBackend(), 256)
+    assert greedy(mc, kv=kv) == ref
+    assert all(b._cpu_prep[1][0] is None for b in mc.blocks)  # the dense decode block ran

@@ -10,10 +10,12 @@ Detection (each with a positive control that must trip it):
 * Numba: the runtime's allocation counter (``NRT`` stats), for arrays created inside
   the kernels (``np.empty`` in an ``@njit`` function never reaches numpy's allocator).
 
-Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused path
-needs 4-bit weights), KV cache f32 / f16 / int8 / int4 / k8v4. Sampling: the engine's
-``Sampler`` workspace, greedy and sampled (temperature / top-k / top-p / min-p /
-penalties), alone and inside the whole ``Engine.stream`` loop.
+Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused Numba
+path of backends/cpu/decode.py), and with dense float32 weights, all of them (what a
+GGUF dequantized at load gives: backends/cpu/dense.py) or with an 8-bit head; KV cache
+f32 / f16 / int8 / int4 / k8v4. Sampling: the engine's ``Sampler`` workspace, greedy and
+sampled (temperature / top-k / top-p / min-p / penalties), alone and inside the whole
+``Engine.stream`` loop.
 """
 from __future__ import annotations
 
@@ -188,27 +190,43 @@ def test_counters_catch_allocations():
     assert any(t.size >= keep.nbytes for t in snap.traces)
 
 
-@pytest.fixture(scope="module")
-def quant_model():
+def _model(weights: str) -> Transformer:
+    """stories260K on a CpuBackend: "q4" RTN INT4 linears and an 8-bit head, "f32" all
+    float32 (as loaded), "f32+q8head" float32 with an 8-bit head."""
     from safetensors.numpy import load_file
     cfg = ModelConfig.from_hf_dict(json.loads((MODEL_DIR / "config.json").read_text()))
-    dense = load_file(str(MODEL_DIR / "model.safetensors"))
-    quant = {k: rtn8_rows(v) if k == "lm_head.weight"
-             else rtn4(v, 32) if v.ndim == 2 and "embed" not in k else v
-             for k, v in dense.items()}
-    return Transformer(cfg, quant, CpuBackend(), 256)
+    tensors = load_file(str(MODEL_DIR / "model.safetensors"))
+    if weights != "f32":
+        tensors["lm_head.weight"] = rtn8_rows(tensors["lm_head.weight"])
+    if weights == "q4":
+        tensors = {k: rtn4(v, 32) if isinstance(v, np.ndarray) and v.ndim == 2
+                   and "embed" not in k else v for k, v in tensors.items()}
+    return Transformer(cfg, tensors, CpuBackend(), 256)
+
+
+@pytest.fixture(scope="module", params=["q4", "f32", "f32+q8head"])
+def quant_model(request):
+    """The model under test, once per weight format (the name predates the dense ones)."""
+    return _model(request.param)
+
+
+def _warm_steps(m, kv):
+    """A cache of dtype ``kv`` after a prompt and two warm-up decode steps (scratch,
+    prepared arguments, compiled kernels), a [1] id buffer and a logits buffer."""
+    cache = m.new_cache(64, kv)
+    m.forward(PROMPT, cache)
+    ids = np.zeros(1, np.int32)
+    out = np.empty((1, m.cfg.vocab_size), np.float32)
+    for t in (7, 300):
+        ids[0] = t
+        m.forward(ids, cache, out=out)
+    return cache, ids, out
 
 
 @pytest.mark.parametrize("kv", ["int8", "f16", "f32", "int4", "k8v4"])
 def test_warm_decode_step_allocates_nothing(quant_model, kv):
     m = quant_model
-    cache = m.new_cache(64, kv)
-    m.forward(PROMPT, cache)
-    ids = np.zeros(1, np.int32)
-    out = np.empty((1, m.cfg.vocab_size), np.float32)
-    for t in (7, 300):  # warm-up: scratch, prepared arguments, compiled kernels
-        ids[0] = t
-        m.forward(ids, cache, out=out)
+    cache, ids, out = _warm_steps(m, kv)
     with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
         for t in (11, 42, 5):
             ids[0] = t
@@ -223,6 +241,39 @@ def test_warm_decode_step_allocates_nothing(quant_model, kv):
             m.forward(ids, cache, out=out)
             np.empty(1, np.int32)
     assert n_np[0] >= 3
+    assert all(b._cpu_prep[1] is not False for b in m.blocks)  # the per-block decode ran
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_dense_decode_positive_controls(kv, monkeypatch):
+    """The dense path's zero is real: one hidden allocation inside its MLP stage (the GLU
+    into a temporary) is counted once per layer and step, and the contract's composition
+    (what dense weights ran before backends/cpu/dense.py: 85 arrays a step with an f32
+    cache, 90 int8) is counted in full (77 a step here: GLU constants no longer allocate,
+    the head is composed too)."""
+    from edgeinfer.backends.cpu import dense
+    m = _model("f32")
+    n_layers = m.cfg.num_hidden_layers
+    cache, ids, out = _warm_steps(m, kv)
+    glu_into = dense.glu_into
+
+    def glu_alloc(y, g, u, gelu):  # the same values through a temporary
+        y[...] = glu_into(np.empty_like(y), g, u, gelu)
+        return y
+
+    monkeypatch.setattr(dense, "glu_into", glu_alloc)
+    with numpy_allocs() as n_np:
+        for t in (11, 42, 5):
+            ids[0] = t
+            m.forward(ids, cache, out=out)
+    assert n_np[0] == 3 * n_layers
+    monkeypatch.undo()
+    m.backend.exact_decode = True  # (dense weights: the only effect is the composition)
+    with numpy_allocs() as n_np:
+        for t in (11, 42, 5):
+            ids[0] = t
+            m.forward(ids, cache, out=out)
+    assert n_np[0] >= 3 * 10 * n_layers
 
 
 def test_engine_decode_one_allocates_nothing(quant_model):

@@ -12,7 +12,8 @@ write and attention over the codes), :mod:`.elementwise`, with the SIMD row kern
 for decode, :meth:`CpuBackend.attention_input` and :meth:`CpuBackend.attention_output_mlp`
 run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch,
 and :meth:`CpuBackend.decoder_block` a whole plain pre-norm block as one call (f32/f16
-cache) or two (quantized cache) (:mod:`.decode`); with :meth:`CpuBackend.embed_step` and
+cache) or two (quantized cache) (:mod:`.decode`; dense float32 weights: BLAS GEMVs into
+scratch, :mod:`.dense`); with :meth:`CpuBackend.embed_step` and
 :meth:`CpuBackend.norm_logits` (into the caller's buffer) a decode step allocates nothing.
 
 Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
@@ -45,6 +46,7 @@ from .attention import decode_scratch
 from .elementwise import (
     dequant_rows_q4,
     dequant_rows_q8,
+    glu_into,
     rmsnorm_rows,
     rmsnorm_rows_par,
     rope_tokens,
@@ -63,7 +65,6 @@ GEMV_MAX_T = 2
 _NO_POS = np.zeros(0, np.int64)
 _NO_SCR = np.zeros((0, 0), np.float32)  # attention scratch: none (items allocate their own)
 _F32 = np.dtype(np.float32)
-_GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 #: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd is
 #: below this: measured on the shared 2-core host (load ~3), the serial kernel beat the
 #: parallel one at every context up to 2048 (SmolLM2: 38 vs 55 us at 128 keys, 485 vs
@@ -361,9 +362,10 @@ class CpuBackend(Backend):
                 w.in_features, list(ws), list(biases))
 
     def decoder_block(self, x, blk, positions, cache, layer):
-        """See :meth:`Backend.decoder_block`. Decode (T = 1) with 4-bit weights of one
-        format over an f32/f16 (linear) or int8/int4/k8v4 cache: one or two Numba calls
-        (:mod:`.decode`), nothing allocated; the result is the [1, D] scratch of
+        """See :meth:`Backend.decoder_block`. Decode (T = 1) over an f32/f16 (linear) or
+        int8/int4/k8v4 cache, nothing allocated: with 4-bit weights of one format one or two
+        Numba calls (:mod:`.decode`), with dense float32 weights BLAS GEMVs and kernels on
+        scratch (:mod:`.dense`); the result is the [1, D] scratch of
         :meth:`attention_output_mlp`. Otherwise the contract's composition."""
         y = _decode.decoder_block(self, x, blk, positions, cache, layer)
         if y is None:
@@ -553,36 +555,14 @@ class CpuBackend(Backend):
         return out
 
     def glu(self, gate, up, act="silu"):
-        """y[T, F] = act(gate) * up, act "silu" or "gelu_tanh".
-
-        numpy ufuncs (SIMD exp / tanh, ~1 ns per element), not Numba: a scalar libm
-        ``exp`` per element in Numba measured 10 ns (15 us for F = 1536); a Numba SiLU
-        kernel with the Cephes ``exp_neg`` of :mod:`.attention` measured 7.9 us for
-        F = 1536 (not vectorized with the sign select), no faster than these ufuncs.
+        """y[T, F] = act(gate) * up, act "silu" or "gelu_tanh": numpy ufuncs
+        (:func:`.elementwise.glu_into`, which also gives the reasons).
 
         Raises:
             ValueError: unknown activation.
         """
-        gelu = _is_gelu(act)
         g = np.asarray(gate, dtype=np.float32)
-        if gelu:  # 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * up
-            y = g * g
-            y *= np.float32(0.044715)
-            y += np.float32(1.0)
-            y *= g
-            y *= _GELU_C
-            np.tanh(y, out=y)
-            y += np.float32(1.0)
-            y *= g
-            y *= np.float32(0.5)
-        else:  # silu: g / (1 + exp(-g))
-            y = np.negative(g)
-            with np.errstate(over="ignore"):  # exp(-g) -> inf gives the right limit 0
-                np.exp(y, out=y)
-            y += np.float32(1.0)
-            np.divide(g, y, out=y)
-        y *= up
-        return y
+        return glu_into(np.empty_like(g), g, up, _is_gelu(act))
 
     def add(self, a, b):
         """Elementwise a + b (numpy; one call, no Numba dispatch needed)."""

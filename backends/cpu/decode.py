@@ -12,12 +12,16 @@ also the decode ends of a step (:func:`embed_step`, :func:`norm_logits`).
   Numba dot rounds differently), then one call of :func:`block_q_post`: the bit-exact
   KV write and the attention over the codes of :mod:`.kvquant`, then the MLP half.
 
+Dense float32 weights take the same cache stages (:func:`attend_f` / :func:`attend_q`,
+the K rotation) between the two halves of :mod:`.dense` (BLAS GEMVs into scratch).
+
 Everything a step touches is preallocated: the per-layer QKV output (q/k/v views), the
 rotated K and attention output (per backend), the attention work-item scratch (per
 cache), the activation-quantization buffers (per backend). Python per call: identity
 checks, two dict lookups, the calls. What is not fused falls back to the contract's
-composition (prefill, ``exact_decode``, non-4-bit weights, f32/f16 ring layers, int4 at
-position 0 (its K channel statistics are fixed there by the cache), other caches).
+composition (prefill, ``exact_decode``, weights neither all 4-bit of one format nor all
+dense float32, f32/f16 ring layers, int4 at position 0 (its K channel statistics are
+fixed there by the cache), other caches).
 
 The outer kernels are thin serial Numba functions calling the compiled kernels (each keeps
 its own fast-math flags: the attention must keep infinities, the encoders no fast-math);
@@ -29,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from ..kvcache import HostKVCache, Int4KVCache
+from . import dense as _dense
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
 from .attention import decode_scratch
@@ -65,6 +70,34 @@ def _mlp(x, mlp):  # xo = x + Wo a; xo += Wd act(Wg h, Wu h), h = rmsnorm(xo)
 
 
 @njit(cache=True)
+def attend_f(q, k, v, pos, par_attn, att, a):
+    """Append k, v at ``pos`` of an f32 / f16 cache and attend: ``a`` [1, Hq hd] float32
+    (written). q [1, Hq, hd], k, v [1, Hkv, hd] float32; ``att`` as :func:`block_f`."""
+    kc, vc, scr, nopos, scale, win, cap = att
+    out = a.reshape((1, q.shape[1], q.shape[2]))
+    if par_attn:
+        _attention(out, q, k, v, kc, vc, nopos, True, pos, scale, win, cap, scr)
+    else:
+        _attention_serial(out, q, k, v, kc, vc, nopos, True, pos, scale, win, cap, scr)
+
+
+@njit(cache=True)
+def attend_q(q, kr, v, pos, par_attn, att, a):
+    """The bit-exact KV write at ``pos`` of an int8 / int4 / k8v4 cache and the attention
+    over its codes into ``a`` [1, Hq hd]; ``kr`` is the rotated K, ``att`` as
+    :func:`block_q_post`."""
+    kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs, g, scr, scale, win, cap = att
+    kv_write_q(kr, v, kq, ks, kmin, vq, vs, vmin, kpos, pos, g)
+    out = a.reshape((1, q.shape[1], q.shape[2]))
+    if par_attn:
+        attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, pos, scale, win,
+                    cap, scr)
+    else:
+        attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, pos,
+                           scale, win, cap, scr)
+
+
+@njit(cache=True)
 def block_f(x, pos, par_attn, qkv, att, mlp):
     """One decode step of a plain pre-norm block over an f32 / f16 (uint16 bits) cache.
 
@@ -82,13 +115,7 @@ def block_f(x, pos, par_attn, qkv, att, mlp):
             parallel) as :func:`.fused.out_mlp_par` takes them.
     """
     q, k, v = _qkv(x, pos, qkv)
-    kc, vc, scr, nopos, scale, win, cap = att
-    a = mlp[1]
-    out = a.reshape((1, q.shape[1], q.shape[2]))
-    if par_attn:
-        _attention(out, q, k, v, kc, vc, nopos, True, pos, scale, win, cap, scr)
-    else:
-        _attention_serial(out, q, k, v, kc, vc, nopos, True, pos, scale, win, cap, scr)
+    attend_f(q, k, v, pos, par_attn, att, mlp[1])
     _mlp(x, mlp)
 
 
@@ -106,23 +133,15 @@ def block_q_post(x, pos, par_attn, qkr, att, mlp):
             softcap) as :func:`.kvquant.kv_write_q` / :func:`.kvquant.attention_q` take them.
     """
     q, kr, v = qkr
-    kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs, g, scr, scale, win, cap = att
-    kv_write_q(kr, v, kq, ks, kmin, vq, vs, vmin, kpos, pos, g)
-    a = mlp[1]
-    out = a.reshape((1, q.shape[1], q.shape[2]))
-    if par_attn:
-        attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, pos, scale, win,
-                    cap, scr)
-    else:
-        attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, pos,
-                           scale, win, cap, scr)
+    attend_q(q, kr, v, pos, par_attn, att, mlp[1])
     _mlp(x, mlp)
 
 
 # ---- Python side: prepared arguments, identity checks, the calls -----------------------
 def _prep_weights(be, blk, x):
-    """(qkv entry, mlp tuple without a, D) for ``blk`` on backend ``be``, or False when
-    its weights are not all 4-bit of one format (then the composition runs)."""
+    """(qkv tuple, mlp tuple, D, prepared QKV call, K view [1, Hkv, hd] of its output) for
+    ``blk`` on backend ``be``, or False when its weights are not all 4-bit of one format
+    (then :func:`.dense.prep` is tried)."""
     hq, hkv, hd = blk.heads
     e = be._dec.get(("qkv", id(blk.qkv[0])))
     if e is None:
@@ -145,12 +164,13 @@ def _prep_weights(be, blk, x):
     mlp = (m[1], a, blk.post_norm, float(blk.eps), bool(blk.unit_offset),
            _is_gelu(blk.act), m[2], m[3], m[4], m[5][0], m[5][1], m[5][2], m[6],
            np.zeros(0, np.float32), m[0] is out_mlp_par)
-    return qkv, mlp, m[9], e
+    return qkv, mlp, m[9], e, e[7]
 
 
-def _prep_cache(be, blk, cache, layer, w):
+def _prep_cache(be, blk, cache, layer, k):
     """Per (cache, layer): (kind, att tuple, keys up to which attention runs serially,
-    extra) or False (composition). kind "f": f32/f16 linear; "q": int8/int4/k8v4."""
+    extra) or False (composition). kind "f": f32/f16 linear; "q": int8/int4/k8v4.
+    ``k`` is the layer's K [1, Hkv, hd] (scratch the QKV stage writes): "q" reads it."""
     from . import _ATTN_SERIAL_MAX
     hq, hkv, hd = blk.heads
     if not isinstance(cache, HostKVCache) or cache.n_kv_heads != hkv or cache.head_dim != hd:
@@ -179,7 +199,6 @@ def _prep_cache(be, blk, cache, layer, w):
         kin = be._scratch("kin", (1, hkv, hd)) if int4 else None
         if ring:  # the attention reads every slot of a ring
             serial_keys = -1 if cache.slots[layer] > serial_keys else 1 << 62
-        k = w[3][7]  # the layer's K (a view of its QKV output)
         src = kin if int4 else k  # what the rotation reads: int4 (k - m) / c, else k
         extra = (kr, kr.reshape(1, hkv, hd // g, g), hmat, int4, kin,
                  src.reshape(1, hkv, hd // g, g), raw.get("k_off"), raw.get("k_cs"), k)
@@ -193,16 +212,28 @@ def _prep_cache(be, blk, cache, layer, w):
     return "f", att, serial_keys, None
 
 
+def _rotate_k(extra):
+    """The cache's ``_rotate(k_input(k))`` of this step's K into scratch (returned)."""
+    kr, kr4, hmat, int4, kin, src4, koff, kcs, k = extra
+    if int4:  # cache.k_input's (k - m) / c, elementwise as there
+        np.subtract(k, koff, out=kin)
+        np.divide(kin, kcs, out=kin)
+    np.matmul(src4, hmat, out=kr4)  # the cache's _rotate, into scratch
+    return kr
+
+
 def decoder_block(be, x, blk, positions, cache, layer):
-    """:meth:`CpuBackend.decoder_block`: the fused decode path, or None when it does not
-    apply (the caller then runs the contract's composition).
+    """:meth:`CpuBackend.decoder_block`: the fused decode path (4-bit weights) or the
+    scratch-based one (dense float32 weights, :mod:`.dense`), or None when neither
+    applies (the caller then runs the contract's composition).
 
     Raises:
         ValueError: the position does not fit in the cache.
     """
     p = blk.__dict__.get("_cpu_prep")
     if p is None or p[0] is not be:
-        p = (be, _prep_weights(be, blk, x) if positions.shape[0] == 1 else None)
+        p = (be, (_prep_weights(be, blk, x) or _dense.prep(be, blk))
+             if positions.shape[0] == 1 else None)
         if p[1] is not None:
             blk._cpu_prep = p
     w = p[1]
@@ -214,28 +245,33 @@ def decoder_block(be, x, blk, positions, cache, layer):
         cd = cache._cpu_dec = {}
     c = cd.get(layer)
     if c is None or c[0] is not blk:
-        c = cd[layer] = (blk, _prep_cache(be, blk, cache, layer, w))
+        c = cd[layer] = (blk, _prep_cache(be, blk, cache, layer, w[4]))
     c = c[1]
     if c is False:
         return None
     start = int(positions[0])
     if start >= cache.max_tokens or start < 0:
         cache.check_room(start, 1)  # raises
-    qkv, mlp = w[0], w[1]
-    if c[0] == "f":
-        block_f(x, start, start >= c[2], qkv, c[1], mlp)
+    kind, att, serial_keys, extra = c
+    if kind == "q" and extra[3] and start == 0:  # the cache fixes int4's K channel
+        return None  # statistics at position 0
+    par = start >= serial_keys
+    if w[0] is None:  # dense float32 weights: BLAS GEMVs and kernels on scratch
+        dp = w[1]
+        q, k, v = _dense.qkv(x, positions, dp)
+        if kind == "f":
+            attend_f(q, k, v, start, par, att, dp.a)
+        else:
+            attend_q(q, _rotate_k(extra), v, start, par, att, dp.a)
+        return _dense.mlp(x, dp)
+    qkv, mlp, _, e, _ = w
+    if kind == "f":
+        block_f(x, start, par, qkv, att, mlp)
         return mlp[0]
-    kr, kr4, hmat, int4, kin, src4, koff, kcs, k = c[3]
-    if int4 and start == 0:  # the cache fixes int4's K channel statistics at position 0
-        return None
-    e = w[3]  # the prepared fused QKV call (CpuBackend._prep_qkv)
+    # e: the prepared fused QKV call (CpuBackend._prep_qkv)
     e[0](e[1], x, qkv[1], qkv[2], qkv[3], e[2], e[3], e[4], e[5], qkv[8], qkv[9], start,
          qkv[10], qkv[11], qkv[12])
-    if int4:  # cache.k_input's (k - m) / c, elementwise as there
-        np.subtract(k, koff, out=kin)
-        np.divide(kin, kcs, out=kin)
-    np.matmul(src4, hmat, out=kr4)  # the cache's _rotate, into scratch
-    block_q_post(x, start, start >= c[2], (e[6], kr, e[8]), c[1], mlp)
+    block_q_post(x, start, par, (e[6], _rotate_k(extra), e[8]), att, mlp)
     return mlp[0]
 
 
