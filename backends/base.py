@@ -22,15 +22,18 @@ from .quantized import QuantizedTensor
 
 @dataclass(eq=False)
 class PreNormBlock:
-    """The uploaded tensors and switches of one plain pre-norm decoder block (Llama,
-    SmolLM2, Qwen2, Mistral: no QK-norm, no sandwich norms), built once per layer by the
-    model so that :meth:`Backend.decoder_block` needs no per-call lookups.
+    """The uploaded tensors and switches of one pre-norm decoder block, built once per
+    layer by the model so that :meth:`Backend.decoder_block` needs no per-call lookups.
+    Plain (Llama, SmolLM2, Qwen2, Mistral) unless the optional norms are set (Gemma 3).
 
-    Handles: ``input_norm``, ``post_norm`` [D]; ``qkv`` = [Wq, Wk, Wv] and ``qkv_bias``
-    (three biases or None); ``cos``, ``sin`` RoPE tables [max_pos, r/2]; ``wo``,
-    ``w_gate``, ``w_up``, ``w_down``. Switches: ``heads`` (Hq, Hkv, hd), ``eps``,
-    ``unit_offset``, ``scale`` (attention score multiplier), ``window`` (None = global),
-    ``softcap`` (None = off), ``act`` ("silu" or "gelu_tanh"). Compared by identity.
+    Handles: ``input_norm``, ``post_norm`` (the norm before the MLP) [D]; ``qkv`` =
+    [Wq, Wk, Wv] and ``qkv_bias`` (three biases or None); ``cos``, ``sin`` RoPE tables
+    [max_pos, r/2]; ``wo``, ``w_gate``, ``w_up``, ``w_down``. Switches: ``heads`` (Hq, Hkv,
+    hd), ``eps``, ``unit_offset``, ``scale`` (attention score multiplier), ``window``
+    (None = global), ``softcap`` (None = off), ``act`` ("silu" or "gelu_tanh").
+    Optional norms (None = absent): ``q_norm`` / ``k_norm`` [hd] (QK-norm, per head,
+    before RoPE), ``attn_out_norm`` / ``mlp_out_norm`` [D] (sandwich norms on the
+    attention and MLP branch outputs, before each residual add). Compared by identity.
     """
 
     input_norm: Any
@@ -50,6 +53,16 @@ class PreNormBlock:
     window: int | None
     softcap: float | None
     act: str
+    q_norm: Any = None
+    k_norm: Any = None
+    attn_out_norm: Any = None
+    mlp_out_norm: Any = None
+
+    @property
+    def plain(self) -> bool:
+        """No QK-norm and no sandwich norms (the fused halves' block)."""
+        return (self.q_norm is None and self.k_norm is None and self.attn_out_norm is None
+                and self.mlp_out_norm is None)
 
 
 class Backend(ABC):
@@ -151,9 +164,10 @@ class Backend(ABC):
 
     def decoder_block(self, x: Any, blk: PreNormBlock, positions: np.ndarray, cache: Any,
                       layer: int) -> Any:
-        """A whole plain pre-norm decoder block: :meth:`attention_input`,
-        :meth:`attention` (appending K/V at ``positions`` of cache layer ``layer``), then
-        :meth:`attention_output_mlp`.
+        """A whole pre-norm decoder block: :meth:`attention_input`, :meth:`attention`
+        (appending K/V at ``positions`` of cache layer ``layer``), then
+        :meth:`attention_output_mlp`; a block with QK-norm or sandwich norms (not
+        ``blk.plain``) composes the single ops instead (:meth:`composed_block`).
 
         Shapes: x [T, D] -> [T, D]; positions int32 [T] on the host (consecutive, from
         ``start_pos``). Backends may fuse it (the CPU backend runs decode as one or two
@@ -162,6 +176,8 @@ class Backend(ABC):
         """
         t = positions.shape[0]
         hq, _, hd = blk.heads
+        if not blk.plain:
+            return self.composed_block(x, blk, positions, cache, layer)
         q, k, v = self.attention_input(x, blk.input_norm, blk.eps, blk.unit_offset, blk.qkv,
                                        blk.qkv_bias, blk.cos, blk.sin, positions, blk.heads)
         a = self.attention(q, k, v, cache, layer, int(positions[0]), blk.scale, blk.window,
@@ -169,6 +185,54 @@ class Backend(ABC):
         return self.attention_output_mlp(x, self.reshape(a, (t, hq * hd)), blk.wo,
                                          blk.post_norm, blk.eps, blk.unit_offset, blk.w_gate,
                                          blk.w_up, blk.w_down, blk.act)
+
+    def composed_block(self, x: Any, blk: PreNormBlock, positions: np.ndarray, cache: Any,
+                       layer: int, capture: dict[str, Any] | None = None) -> Any:
+        """:meth:`decoder_block` one op at a time, any block (the optional norms where set,
+        in the order of HF ``modeling_gemma3.py``); not meant to be overridden: the
+        reference composition that fused paths are tested against.
+
+        Args:
+            capture: if given, filled with the *input* of each linear group ("q_proj"
+                (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
+                "down_proj"), for the AWQ/GPTQ calibration in ``edgeinfer.quant``.
+        """
+        t = positions.shape[0]
+        hq, hkv, hd = blk.heads
+        eps, off = blk.eps, blk.unit_offset
+        h = self.rmsnorm(x, blk.input_norm, eps, off)
+        if capture is not None:
+            capture["q_proj"] = h
+        q, k, v = self.linear_many(h, blk.qkv, blk.qkv_bias)
+        q = self.reshape(q, (t, hq, hd))
+        k = self.reshape(k, (t, hkv, hd))
+        v = self.reshape(v, (t, hkv, hd))
+        if blk.q_norm is not None:
+            q = self.rmsnorm(q, blk.q_norm, eps, off)
+        if blk.k_norm is not None:
+            k = self.rmsnorm(k, blk.k_norm, eps, off)
+        q = self.rope(q, blk.cos, blk.sin, positions)
+        k = self.rope(k, blk.cos, blk.sin, positions)
+        a = self.attention(q, k, v, cache, layer, int(positions[0]), blk.scale, blk.window,
+                           blk.softcap)
+        a = self.reshape(a, (t, hq * hd))
+        if capture is not None:
+            capture["o_proj"] = a
+        o = self.linear(a, blk.wo)
+        if blk.attn_out_norm is not None:
+            o = self.rmsnorm(o, blk.attn_out_norm, eps, off)
+        x = self.add(x, o)
+        h = self.rmsnorm(x, blk.post_norm, eps, off)
+        if capture is not None:
+            capture["gate_proj"] = h
+        gate, up = self.linear_many(h, [blk.w_gate, blk.w_up], [None, None])
+        m = self.glu(gate, up, blk.act)
+        if capture is not None:
+            capture["down_proj"] = m
+        d = self.linear(m, blk.w_down)
+        if blk.mlp_out_norm is not None:
+            d = self.rmsnorm(d, blk.mlp_out_norm, eps, off)
+        return self.add(x, d)
 
     def embed_step(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
         """As :meth:`embed`, but the result may be scratch storage valid until the next

@@ -75,68 +75,30 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
             ("q_proj" (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
             "down_proj"); used by the AWQ/GPTQ calibration in ``edgeinfer.quant``.
     """
-    t = len(positions)
-    eps, off = cfg.rms_norm_eps, cfg.norm_unit_offset
-    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    if capture is None and not cfg.qk_norm and not cfg.sandwich_norms:
-        # plain pre-norm block: one backend op (the contract's default composes
-        # attention_input / attention / attention_output_mlp, i.e. the ops spelled out below)
-        return be.decoder_block(x, prenorm_block(cfg, lw, rope, layer), positions, cache,
-                                cache_layer)
-
-    h = be.rmsnorm(x, lw["input_layernorm"], eps, off)
-    if capture is not None:
-        capture["q_proj"] = h
-    q, k, v = be.linear_many(h, [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
-                             [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")])
-    q = be.reshape(q, (t, hq, hd))
-    k = be.reshape(k, (t, hkv, hd))
-    v = be.reshape(v, (t, hkv, hd))
-    if cfg.qk_norm:
-        q = be.rmsnorm(q, lw["q_norm"], eps, off)
-        k = be.rmsnorm(k, lw["k_norm"], eps, off)
-    cos, sin = rope
-    q = be.rope(q, cos, sin, positions)
-    k = be.rope(k, cos, sin, positions)
-    a = be.attention(q, k, v, cache, cache_layer, int(positions[0]), cfg.attn_scale,
-                     cfg.layer_window(layer), cfg.attn_logit_softcapping)
-    a = be.reshape(a, (t, hq * hd))
-    if capture is not None:
-        capture["o_proj"] = a
-    o = be.linear(a, lw["o_proj"])
-    if cfg.sandwich_norms:  # gemma: norm the branch output, then a separate pre-FFN norm
-        o = be.rmsnorm(o, lw["post_attention_layernorm"], eps, off)
-        x = be.add(x, o)
-        h = be.rmsnorm(x, lw["pre_feedforward_layernorm"], eps, off)
-    else:
-        x = be.add(x, o)
-        h = be.rmsnorm(x, lw["post_attention_layernorm"], eps, off)
-    if capture is not None:
-        capture["gate_proj"] = h
-    act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
-    gate, up = be.linear_many(h, [lw["gate_proj"], lw["up_proj"]], [None, None])
-    m = be.glu(gate, up, act)
-    if capture is not None:
-        capture["down_proj"] = m
-    d = be.linear(m, lw["down_proj"])
-    if cfg.sandwich_norms:
-        d = be.rmsnorm(d, lw["post_feedforward_layernorm"], eps, off)
-    return be.add(x, d)
+    blk = prenorm_block(cfg, lw, rope, layer)
+    if capture is None:  # one backend op (fused where the backend can)
+        return be.decoder_block(x, blk, positions, cache, cache_layer)
+    return be.composed_block(x, blk, positions, cache, cache_layer, capture)
 
 
 def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
-                  layer: int) -> PreNormBlock | None:
-    """Layer ``layer``'s tensors and switches as a :class:`PreNormBlock`, or None when the
-    architecture is not a plain pre-norm block (QK-norm, sandwich norms)."""
-    if cfg.qk_norm or cfg.sandwich_norms:
-        return None
+                  layer: int) -> PreNormBlock:
+    """Layer ``layer``'s tensors and switches as a :class:`PreNormBlock` (QK-norm and
+    sandwich norms as its optional norms; with sandwich norms the pre-FFN norm is the
+    norm before the MLP)."""
+    sandwich = cfg.sandwich_norms
     return PreNormBlock(
         lw["input_layernorm"], [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
         [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")], rope[0], rope[1],
-        lw["o_proj"], lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"],
-        lw["down_proj"], (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+        lw["o_proj"], lw["pre_feedforward_layernorm"] if sandwich
+        else lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"], lw["down_proj"],
+        (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
         cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.attn_scale, cfg.layer_window(layer),
-        cfg.attn_logit_softcapping, "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
+        cfg.attn_logit_softcapping, "silu" if cfg.hidden_act == "silu" else "gelu_tanh",
+        q_norm=lw["q_norm"] if cfg.qk_norm else None,
+        k_norm=lw["k_norm"] if cfg.qk_norm else None,
+        attn_out_norm=lw["post_attention_layernorm"] if sandwich else None,
+        mlp_out_norm=lw["post_feedforward_layernorm"] if sandwich else None)
 
 
 class Transformer:
@@ -172,7 +134,7 @@ class Transformer:
             if theta not in self._rope:
                 cos, sin = rope_tables(cfg, self.max_positions, theta)
                 self._rope[theta] = (be.upload(cos), be.upload(sin))
-        # per layer: the plain pre-norm block (one backend op per layer) or None (generic)
+        # per layer: the block's tensors and switches (one backend op per layer)
         self.blocks = [prenorm_block(cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
                        for i, lw in enumerate(self.layers)]
         # positions p.. of a call are a view of this table: nothing allocated per step
@@ -222,11 +184,7 @@ class Transformer:
         be, cfg = self.backend, self.cfg
         x = be.embed_step(self.embed_tokens, ids, cfg.embed_scale)
         for i, blk in enumerate(self.blocks):
-            if blk is not None:
-                x = be.decoder_block(x, blk, positions, cache, i)
-            else:
-                x = decoder_layer(be, cfg, self.layers[i], x, positions,
-                                  self._rope[cfg.layer_rope_theta(i)], cache, i, i)
+            x = be.decoder_block(x, blk, positions, cache, i)
         cache.length = start + t
         if all_logits:
             x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)

@@ -205,7 +205,7 @@ def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window
 ])
 def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, window, ring,
                                                 softcap, act, threads):
-    """Dense float32 weights (backends/cpu/dense.py): the decode step == the CPU's own
+    """Dense float32 weights (backends/cpu/stepwise.py): the decode step == the CPU's own
     composition of ops bit for bit (the same BLAS GEMVs and kernels, into scratch), outputs
     and caches, also with the block's output scratch fed back as x (in place); f32/f16
     ring layers fall back to the composition."""
@@ -242,8 +242,10 @@ def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, win
 
 
 def test_decoder_block_overflow_and_fallbacks():
-    """Decode past the cache raises like the composition; exact_decode and mixed 4-bit /
-    dense weights take the composition."""
+    """Decode past the cache raises like the composition; exact_decode takes the
+    composition; mixed 4-bit / dense weights take the step-wise path
+    (backends/cpu/stepwise.py) and equal the composition."""
+    from edgeinfer.backends.cpu.stepwise import StepwiseBlock
     rng = np.random.default_rng(3)
     d, hq, hkv, hd, f = 64, 4, 2, 16, 96
     heads = (hq, hkv, hd)
@@ -267,6 +269,66 @@ def test_decoder_block_overflow_and_fallbacks():
                    "silu")
     c3 = cpu.new_kv_cache(1, hkv, hd, 4, "int8")
     y = cpu.decoder_block(x, mixed, pos[:1], c3, 0)
-    assert mixed._cpu_prep[1] is False and "_cpu_dec" not in c3.__dict__
+    assert isinstance(mixed._cpu_prep[1][1], StepwiseBlock)
     assert np.array_equal(y, Backend.decoder_block(cpu, x, mixed, pos[:1],
                                                    cpu.new_kv_cache(1, hkv, hd, 4, "int8"), 0))
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("weights", ["q4", "f32"])
+@pytest.mark.parametrize("d,hq,hkv,hd,f,bias,window,ring,norms", [
+    (64, 4, 1, 16, 96, False, None, False, "qk+sandwich"),  # Gemma 3 global layer
+    (96, 4, 2, 32, 128, False, 4, True, "qk+sandwich"),     # Gemma 3 sliding layer (ring)
+    (64, 8, 4, 8, 128, True, 5, False, "sandwich"),         # sandwich norms only, bias
+    (64, 8, 4, 8, 96, False, None, False, "qk"),            # QK-norm only (Qwen3-like)
+])
+def test_decoder_block_normed_equals_composition(kv, weights, d, hq, hkv, hd, f, bias, window,
+                                                 ring, norms):
+    """Blocks with QK-norm / sandwich norms (backends/cpu/stepwise.py), 4-bit and dense
+    float32 weights: the decode step == the CPU's own composition of ops bit for bit,
+    outputs and caches, also with the output scratch fed back as x; the reference as a
+    bound (dense: float association only); f32/f16 ring layers fall back to the
+    composition, as for plain blocks."""
+    import dataclasses
+
+    from edgeinfer.backends import kvcache
+    from edgeinfer.backends.cpu.stepwise import StepwiseBlock
+    rng = np.random.default_rng(d + hd + f)
+    heads = (hq, hkv, hd)
+    qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, 32, bias)
+    mq = [random_q(rng, *s, 4, 32, sym=False) for s in ((d, hq * hd), (f, d), (f, d), (d, f))]
+    if weights == "f32":
+        qs, mq = [q.dequantize() for q in qs], [q.dequantize() for q in mq]
+    nrm = {n: (rng.standard_normal(s) * 0.3).astype(np.float32) for n, s in (
+        ("q_norm", hd), ("k_norm", hd), ("attn_out_norm", d), ("mlp_out_norm", d))
+        if ("qk" if n[1] == "_" else "sandwich") in norms}
+    cpu = CpuBackend(threads=1)
+    blk, br = (dataclasses.replace(_block(be, qs, bs, mq, nw, cos, sin, heads, window, None,
+                                          "gelu_tanh"), unit_offset=True, **nrm)
+               for be in (cpu, REF))
+    assert not blk.plain
+    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
+    new_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
+    pos = np.arange(40, dtype=np.int32)
+    start = 0
+    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
+        x = rng.standard_normal((t, d)).astype(np.float32) * 2
+        p = pos[start:start + t]
+        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
+        y_r = REF.decoder_block(x, br, p, ref_c, 0)
+        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
+            x_in = cpu._scratch("xo", (1, d))
+            x_in[...] = x
+        else:
+            x_in = x
+        y_n = np.array(cpu.decoder_block(x_in, blk, p, new_c, 0))
+        assert np.array_equal(y_n, y_c)
+        assert nerr(y_n, y_r) < (1e-4 if weights == "f32" and kv == "f32" else 0.2)
+        for name, arr in comp_c.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), new_c.raw(0)[name].view(np.uint8)), name
+        start += t
+    assert isinstance(blk._cpu_prep[1][1], StepwiseBlock)
+    lin = blk._cpu_prep[1][1].lin_qkv[0][1]
+    assert isinstance(lin, np.ndarray) == (weights == "f32")  # 4-bit: the fused q/k/v GEMV
+    prepared = new_c._cpu_dec[0][1]
+    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the new path ran

@@ -1,7 +1,7 @@
 """Whole-model parity of the CPU backend with the reference on stories260K.
 
 * dense float32 weights: 64 greedy tokens identical (decode through the allocation-free
-  dense block of backends/cpu/dense.py), also over f16 / int8 / int4 / k8v4 caches;
+  scratch block of backends/cpu/stepwise.py), also over f16 / int8 / int4 / k8v4 caches;
 * RTN INT4 (g32 asymmetric, padded 172 -> 192) with an 8-bit per-row head:
   identical with ``exact_decode=True`` (float activations); on the default int8-activation
   decode path, teacher-forced logits within 3e-2 normalized error every step and the
@@ -92,7 +92,7 @@ def test_greedy_identical(model, weights, exact):
     ref = greedy(Transformer(cfg, tensors, ReferenceBackend(), 256))
     mc = Transformer(cfg, tensors, CpuBackend(exact_decode=exact), 256)
     assert greedy(mc) == ref
-    if weights == "dense":  # decode ran through backends/cpu/dense.py
+    if weights == "dense":  # decode ran through backends/cpu/stepwise.py
         assert all(b._cpu_prep[1][0] is None for b in mc.blocks)
 
 

@@ -12,8 +12,11 @@ Detection (each with a positive control that must trip it):
 
 Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused Numba
 path of backends/cpu/decode.py), and with dense float32 weights, all of them (what a
-GGUF dequantized at load gives: backends/cpu/dense.py) or with an 8-bit head; KV cache
-f32 / f16 / int8 / int4 / k8v4. Sampling: the engine's ``Sampler`` workspace, greedy and
+GGUF dequantized at load gives: backends/cpu/stepwise.py) or with an 8-bit head; KV cache
+f32 / f16 / int8 / int4 / k8v4. A tiny random Gemma-3-like model (QK-norm, sandwich
+norms, (1 + w) norms, GELU-tanh, sliding-window layers, two RoPE bases:
+backends/cpu/stepwise.py), 4-bit and dense float32, the same caches, quantized ones also
+as rings. Sampling: the engine's ``Sampler`` workspace, greedy and
 sampled (temperature / top-k / top-p / min-p / penalties), alone and inside the whole
 ``Engine.stream`` loop.
 """
@@ -210,10 +213,10 @@ def quant_model(request):
     return _model(request.param)
 
 
-def _warm_steps(m, kv):
+def _warm_steps(m, kv, max_chunk=512):
     """A cache of dtype ``kv`` after a prompt and two warm-up decode steps (scratch,
     prepared arguments, compiled kernels), a [1] id buffer and a logits buffer."""
-    cache = m.new_cache(64, kv)
+    cache = m.new_cache(64, kv, max_chunk)
     m.forward(PROMPT, cache)
     ids = np.zeros(1, np.int32)
     out = np.empty((1, m.cfg.vocab_size), np.float32)
@@ -248,20 +251,20 @@ def test_warm_decode_step_allocates_nothing(quant_model, kv):
 def test_dense_decode_positive_controls(kv, monkeypatch):
     """The dense path's zero is real: one hidden allocation inside its MLP stage (the GLU
     into a temporary) is counted once per layer and step, and the contract's composition
-    (what dense weights ran before backends/cpu/dense.py: 85 arrays a step with an f32
+    (what dense weights ran before backends/cpu/stepwise.py: 85 arrays a step with an f32
     cache, 90 int8) is counted in full (77 a step here: GLU constants no longer allocate,
     the head is composed too)."""
-    from edgeinfer.backends.cpu import dense
+    from edgeinfer.backends.cpu import stepwise
     m = _model("f32")
     n_layers = m.cfg.num_hidden_layers
     cache, ids, out = _warm_steps(m, kv)
-    glu_into = dense.glu_into
+    glu_into = stepwise.glu_into
 
     def glu_alloc(y, g, u, gelu):  # the same values through a temporary
         y[...] = glu_into(np.empty_like(y), g, u, gelu)
         return y
 
-    monkeypatch.setattr(dense, "glu_into", glu_alloc)
+    monkeypatch.setattr(stepwise, "glu_into", glu_alloc)
     with numpy_allocs() as n_np:
         for t in (11, 42, 5):
             ids[0] = t
@@ -274,6 +277,83 @@ def test_dense_decode_positive_controls(kv, monkeypatch):
             ids[0] = t
             m.forward(ids, cache, out=out)
     assert n_np[0] >= 3 * 10 * n_layers
+
+
+def _gemma_model(weights: str) -> Transformer:
+    """A tiny random Gemma-3-like model on a CpuBackend ("q4": RTN INT4 linears, "f32")."""
+    from edgeinfer.models.arch import tensor_specs
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 6,
+        "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True})
+    rng = np.random.default_rng(1)
+    tensors = {s.name: (rng.standard_normal(s.shape(cfg)) * 0.4).astype(np.float32)
+               for s in tensor_specs(cfg)}
+    if weights == "q4":
+        tensors = {k: rtn4(v, 32) if v.ndim == 2 and "embed" not in k else v
+                   for k, v in tensors.items()}
+    return Transformer(cfg, tensors, CpuBackend(), 256)
+
+
+@pytest.fixture(scope="module", params=["q4", "f32"])
+def gemma_model(request):
+    return _gemma_model(request.param)
+
+
+@pytest.mark.parametrize("kv,chunk", [("f32", 512), ("f16", 512), ("int8", 512),
+                                      ("int4", 512), ("k8v4", 512), ("int8", 8),
+                                      ("int4", 8), ("k8v4", 8)])
+def test_gemma_warm_decode_step_allocates_nothing(gemma_model, kv, chunk):
+    """QK-norm and sandwich norms take the scratch path of backends/cpu/stepwise.py; chunk
+    8 makes the two sliding-window layers rings of 13 slots (f32/f16 rings still take
+    the composition, as for plain blocks)."""
+    from edgeinfer.backends.cpu.stepwise import StepwiseBlock
+    m = gemma_model
+    cache, ids, out = _warm_steps(m, kv, chunk)
+    assert (cache.slots == [13, 13, 64]) == (chunk == 8)
+    with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
+        for t in (11, 42, 5):
+            ids[0] = t
+            y = m.forward(ids, cache, out=out)
+    assert y is out
+    assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 3 decode steps ({kv} cache)"
+    assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 3 decode steps ({kv} cache)"
+    assert all(isinstance(b._cpu_prep[1][1], StepwiseBlock) for b in m.blocks)
+    assert all(c[1] is not False for c in cache._cpu_dec.values())  # the new path ran
+
+
+@pytest.mark.parametrize("weights", ["q4", "f32"])
+def test_gemma_decode_positive_controls(weights, monkeypatch):
+    """The Gemma path's zero is real: one hidden allocation in its MLP stage is counted
+    once per layer and step, and the composition of ops it replaces (``exact_decode``)
+    is counted in full (measured before backends/cpu/stepwise.py: 16-22 arrays per layer
+    and step, by weights and cache)."""
+    from edgeinfer.backends.cpu import stepwise
+    m = _gemma_model(weights)
+    n_layers = m.cfg.num_hidden_layers
+    cache, ids, out = _warm_steps(m, "int8")
+    glu_into = stepwise.glu_into
+
+    def glu_alloc(y, g, u, gelu):  # the same values through a temporary
+        y[...] = glu_into(np.empty_like(y), g, u, gelu)
+        return y
+
+    monkeypatch.setattr(stepwise, "glu_into", glu_alloc)
+    with numpy_allocs() as n_np:
+        for t in (11, 42, 5):
+            ids[0] = t
+            m.forward(ids, cache, out=out)
+    assert n_np[0] == 3 * n_layers
+    monkeypatch.undo()
+    m.backend.exact_decode = True
+    with numpy_allocs() as n_np:
+        for t in (11, 42, 5):
+            ids[0] = t
+            m.forward(ids, cache, out=out)
+    assert n_np[0] >= 3 * 15 * n_layers
 
 
 def test_engine_decode_one_allocates_nothing(quant_model):

@@ -13,7 +13,7 @@ for decode, :meth:`CpuBackend.attention_input` and :meth:`CpuBackend.attention_o
 run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch,
 and :meth:`CpuBackend.decoder_block` a whole plain pre-norm block as one call (f32/f16
 cache) or two (quantized cache) (:mod:`.decode`; dense float32 weights: BLAS GEMVs into
-scratch, :mod:`.dense`); with :meth:`CpuBackend.embed_step` and
+scratch, :mod:`.stepwise`); with :meth:`CpuBackend.embed_step` and
 :meth:`CpuBackend.norm_logits` (into the caller's buffer) a decode step allocates nothing.
 
 Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
@@ -365,7 +365,8 @@ class CpuBackend(Backend):
         """See :meth:`Backend.decoder_block`. Decode (T = 1) over an f32/f16 (linear) or
         int8/int4/k8v4 cache, nothing allocated: with 4-bit weights of one format one or two
         Numba calls (:mod:`.decode`), with dense float32 weights BLAS GEMVs and kernels on
-        scratch (:mod:`.dense`); the result is the [1, D] scratch of
+        scratch (:mod:`.stepwise`, which also runs QK-norm / sandwich-norm blocks, 4-bit or
+        dense); the result is the [1, D] scratch of
         :meth:`attention_output_mlp`. Otherwise the contract's composition."""
         y = _decode.decoder_block(self, x, blk, positions, cache, layer)
         if y is None:

@@ -13,7 +13,9 @@ also the decode ends of a step (:func:`embed_step`, :func:`norm_logits`).
   KV write and the attention over the codes of :mod:`.kvquant`, then the MLP half.
 
 Dense float32 weights take the same cache stages (:func:`attend_f` / :func:`attend_q`,
-the K rotation) between the two halves of :mod:`.dense` (BLAS GEMVs into scratch).
+the K rotation) between the two halves of :mod:`.stepwise` (one op at a time on scratch:
+BLAS GEMVs for dense linears), and so do blocks with QK-norm / sandwich norms (Gemma 3),
+4-bit or dense.
 
 Everything a step touches is preallocated: the per-layer QKV output (q/k/v views), the
 rotated K and attention output (per backend), the attention work-item scratch (per
@@ -33,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from ..kvcache import HostKVCache, Int4KVCache
-from . import dense as _dense
+from . import stepwise as _stepwise
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
 from .attention import decode_scratch
@@ -141,7 +143,7 @@ def block_q_post(x, pos, par_attn, qkr, att, mlp):
 def _prep_weights(be, blk, x):
     """(qkv tuple, mlp tuple, D, prepared QKV call, K view [1, Hkv, hd] of its output) for
     ``blk`` on backend ``be``, or False when its weights are not all 4-bit of one format
-    (then :func:`.dense.prep` is tried)."""
+    (then :func:`.stepwise.prep` is tried)."""
     hq, hkv, hd = blk.heads
     e = be._dec.get(("qkv", id(blk.qkv[0])))
     if e is None:
@@ -224,7 +226,8 @@ def _rotate_k(extra):
 
 def decoder_block(be, x, blk, positions, cache, layer):
     """:meth:`CpuBackend.decoder_block`: the fused decode path (4-bit weights) or the
-    scratch-based one (dense float32 weights, :mod:`.dense`), or None when neither
+    scratch-based one (dense float32 weights, optional norms: :mod:`.stepwise`), or None
+    when neither
     applies (the caller then runs the contract's composition).
 
     Raises:
@@ -232,7 +235,7 @@ def decoder_block(be, x, blk, positions, cache, layer):
     """
     p = blk.__dict__.get("_cpu_prep")
     if p is None or p[0] is not be:
-        p = (be, (_prep_weights(be, blk, x) or _dense.prep(be, blk))
+        p = (be, ((blk.plain and _prep_weights(be, blk, x)) or _stepwise.prep(be, blk))
              if positions.shape[0] == 1 else None)
         if p[1] is not None:
             blk._cpu_prep = p
@@ -256,14 +259,14 @@ def decoder_block(be, x, blk, positions, cache, layer):
     if kind == "q" and extra[3] and start == 0:  # the cache fixes int4's K channel
         return None  # statistics at position 0
     par = start >= serial_keys
-    if w[0] is None:  # dense float32 weights: BLAS GEMVs and kernels on scratch
+    if w[0] is None:  # dense float32 weights or optional norms: kernels on scratch
         dp = w[1]
-        q, k, v = _dense.qkv(x, positions, dp)
+        q, k, v = _stepwise.qkv(x, positions, dp)
         if kind == "f":
             attend_f(q, k, v, start, par, att, dp.a)
         else:
             attend_q(q, _rotate_k(extra), v, start, par, att, dp.a)
-        return _dense.mlp(x, dp)
+        return _stepwise.mlp(x, dp)
     qkv, mlp, _, e, _ = w
     if kind == "f":
         block_f(x, start, par, qkv, att, mlp)
