@@ -7,24 +7,9 @@ import numpy as np
 import pytest
 from edgeinfer.backends import get_backend
 from edgeinfer.backends.errors import BackendUnavailableError
-from edgeinfer.models.arch import tensor_specs
-from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.transformer import Transformer
 from greedy import greedy
-
-
-def _tiny_gemma():
-    cfg = ModelConfig.from_hf_dict({
-        "model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 6,
-        "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True})
-    rng = np.random.default_rng(1)
-    tensors = {s.name: (rng.standard_normal(s.shape(cfg)) * 0.4).astype(np.float32)
-               for s in tensor_specs(cfg)}
-    return cfg, tensors
+from tiny_models import tiny_gemma
 
 
 @pytest.mark.parametrize("backend,kv,chunk", [
@@ -34,7 +19,7 @@ def _tiny_gemma():
 def test_windowed_model_matches_reference_after_the_window_wraps(backend, kv, chunk):
     if backend == "opencl":
         pytest.importorskip("pyopencl", reason="pyopencl[pocl] is needed for the OpenCL backend")
-    cfg, tensors = _tiny_gemma()
+    cfg, tensors = tiny_gemma()
     prompt = list(np.random.default_rng(2).integers(0, 64, 13))
     ref = greedy(Transformer(cfg, tensors, get_backend("reference")), prompt, 12, kv, chunk=chunk,
                  cache_tokens=64)
@@ -96,7 +81,7 @@ def test_opencl_engine_prefix_reuse_through_rings(kv):
         be = get_backend("opencl")
     except BackendUnavailableError as e:
         pytest.skip(f"opencl backend unavailable: {e}")
-    cfg, tensors = _tiny_gemma()
+    cfg, tensors = tiny_gemma()
     rng = np.random.default_rng(5)
     a = list(rng.integers(0, 64, 21))
     b = a[:17] + list(rng.integers(0, 64, 6))   # rings hold 12..20: keys 12..16 still there

@@ -197,6 +197,37 @@ def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window
     assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the fused path ran
 
 
+def _decode_equals_composition(cpu, blk, kv, ring, window, rng, ref=None, tol=None):
+    """Prefill chunks and decode steps of ``blk`` through ``cpu.decoder_block`` equal the
+    contract's composition on the same backend bit for bit, outputs and cache bytes, also
+    with the block's output scratch fed back as x (in place); with ``ref`` = (backend,
+    block), its outputs within ``tol``. Returns the cache the decode path wrote."""
+    from edgeinfer.backends import kvcache
+    _, hkv, hd = blk.heads
+    d = blk.input_norm.shape[0]
+    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
+    new_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
+    pos = np.arange(40, dtype=np.int32)
+    start = 0
+    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
+        x = rng.standard_normal((t, d)).astype(np.float32) * 2
+        p = pos[start:start + t]
+        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
+        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
+            x_in = cpu._scratch("xo", (1, d))
+            x_in[...] = x
+        else:
+            x_in = x
+        y_n = np.array(cpu.decoder_block(x_in, blk, p, new_c, 0))
+        assert np.array_equal(y_n, y_c)
+        if ref is not None:
+            assert nerr(y_n, ref[0].decoder_block(x, ref[1], p, ref_c, 0)) < tol
+        for name, arr in comp_c.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), new_c.raw(0)[name].view(np.uint8)), name
+        start += t
+    return new_c
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
 @pytest.mark.parametrize("d,hq,hkv,hd,f,bias,window,ring,softcap,act,threads", [
     (64, 8, 4, 8, 172, False, None, False, None, "silu", 2),       # stories260K-like
@@ -209,7 +240,6 @@ def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, win
     composition of ops bit for bit (the same BLAS GEMVs and kernels, into scratch), outputs
     and caches, also with the block's output scratch fed back as x (in place); f32/f16
     ring layers fall back to the composition."""
-    from edgeinfer.backends import kvcache
     rng = np.random.default_rng(d + hd + 1)
     heads = (hq, hkv, hd)
     qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, 32, bias)
@@ -218,24 +248,7 @@ def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, win
           for s in ((d, hq * hd), (f, d), (f, d), (d, f))]
     cpu = CpuBackend(threads=threads)
     blk = _block(cpu, qs, bs, mq, nw, cos, sin, heads, window, softcap, act)
-    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
-    dense_c, comp_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(2))
-    pos = np.arange(40, dtype=np.int32)
-    start = 0
-    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
-        x = rng.standard_normal((t, d)).astype(np.float32) * 2
-        p = pos[start:start + t]
-        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
-        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
-            x_in = cpu._scratch("xo", (1, d))
-            x_in[...] = x
-        else:
-            x_in = x
-        y_d = np.array(cpu.decoder_block(x_in, blk, p, dense_c, 0))
-        assert np.array_equal(y_d, y_c)
-        for name, arr in comp_c.raw(0).items():
-            assert np.array_equal(arr.view(np.uint8), dense_c.raw(0)[name].view(np.uint8)), name
-        start += t
+    dense_c = _decode_equals_composition(cpu, blk, kv, ring, window, rng)
     assert blk._cpu_prep[1][0] is None  # dense weights prepared (decode.py's marker)
     prepared = dense_c._cpu_dec[0][1]
     assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the dense path ran
@@ -291,7 +304,6 @@ def test_decoder_block_normed_equals_composition(kv, weights, d, hq, hkv, hd, f,
     composition, as for plain blocks."""
     import dataclasses
 
-    from edgeinfer.backends import kvcache
     from edgeinfer.backends.cpu.stepwise import StepwiseBlock
     rng = np.random.default_rng(d + hd + f)
     heads = (hq, hkv, hd)
@@ -307,26 +319,8 @@ def test_decoder_block_normed_equals_composition(kv, weights, d, hq, hkv, hd, f,
                                           "gelu_tanh"), unit_offset=True, **nrm)
                for be in (cpu, REF))
     assert not blk.plain
-    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
-    new_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
-    pos = np.arange(40, dtype=np.int32)
-    start = 0
-    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
-        x = rng.standard_normal((t, d)).astype(np.float32) * 2
-        p = pos[start:start + t]
-        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
-        y_r = REF.decoder_block(x, br, p, ref_c, 0)
-        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
-            x_in = cpu._scratch("xo", (1, d))
-            x_in[...] = x
-        else:
-            x_in = x
-        y_n = np.array(cpu.decoder_block(x_in, blk, p, new_c, 0))
-        assert np.array_equal(y_n, y_c)
-        assert nerr(y_n, y_r) < (1e-4 if weights == "f32" and kv == "f32" else 0.2)
-        for name, arr in comp_c.raw(0).items():
-            assert np.array_equal(arr.view(np.uint8), new_c.raw(0)[name].view(np.uint8)), name
-        start += t
+    new_c = _decode_equals_composition(cpu, blk, kv, ring, window, rng, (REF, br),
+                                       1e-4 if weights == "f32" and kv == "f32" else 0.2)
     assert isinstance(blk._cpu_prep[1][1], StepwiseBlock)
     lin = blk._cpu_prep[1][1].lin_qkv[0][1]
     assert isinstance(lin, np.ndarray) == (weights == "f32")  # 4-bit: the fused q/k/v GEMV

@@ -34,6 +34,7 @@ from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.transformer import Transformer
 from numba import njit
 from test_cpu_model import MODEL_DIR, PROMPT, rtn4, rtn8_rows
+from tiny_models import tiny_gemma
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
                                 reason="stories260K not available")
@@ -247,16 +248,11 @@ def test_warm_decode_step_allocates_nothing(quant_model, kv):
     assert all(b._cpu_prep[1] is not False for b in m.blocks)  # the per-block decode ran
 
 
-@pytest.mark.parametrize("kv", ["f32", "int8"])
-def test_dense_decode_positive_controls(kv, monkeypatch):
-    """The dense path's zero is real: one hidden allocation inside its MLP stage (the GLU
-    into a temporary) is counted once per layer and step, and the contract's composition
-    (what dense weights ran before backends/cpu/stepwise.py: 85 arrays a step with an f32
-    cache, 90 int8) is counted in full (77 a step here: GLU constants no longer allocate,
-    the head is composed too)."""
+def _stepwise_controls(m, kv, monkeypatch) -> tuple[int, int]:
+    """numpy allocations in 3 warm decode steps of ``m`` (a ``kv`` cache) with one hidden
+    temporary in the step-wise path's GLU (backends/cpu/stepwise.py), then with
+    ``exact_decode`` (the composition of ops the path replaces)."""
     from edgeinfer.backends.cpu import stepwise
-    m = _model("f32")
-    n_layers = m.cfg.num_hidden_layers
     cache, ids, out = _warm_steps(m, kv)
     glu_into = stepwise.glu_into
 
@@ -264,34 +260,38 @@ def test_dense_decode_positive_controls(kv, monkeypatch):
         y[...] = glu_into(np.empty_like(y), g, u, gelu)
         return y
 
-    monkeypatch.setattr(stepwise, "glu_into", glu_alloc)
-    with numpy_allocs() as n_np:
-        for t in (11, 42, 5):
-            ids[0] = t
-            m.forward(ids, cache, out=out)
-    assert n_np[0] == 3 * n_layers
-    monkeypatch.undo()
-    m.backend.exact_decode = True  # (dense weights: the only effect is the composition)
-    with numpy_allocs() as n_np:
-        for t in (11, 42, 5):
-            ids[0] = t
-            m.forward(ids, cache, out=out)
-    assert n_np[0] >= 3 * 10 * n_layers
+    counts = []
+    for hidden in (True, False):
+        with monkeypatch.context() as mp:
+            if hidden:
+                mp.setattr(stepwise, "glu_into", glu_alloc)
+            m.backend.exact_decode = not hidden
+            with numpy_allocs() as n_np:
+                for t in (11, 42, 5):
+                    ids[0] = t
+                    m.forward(ids, cache, out=out)
+            counts.append(n_np[0])
+    m.backend.exact_decode = False
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_dense_decode_positive_controls(kv, monkeypatch):
+    """The dense path's zero is real: one hidden allocation inside its MLP stage (the GLU
+    into a temporary) is counted once per layer and step, and the contract's composition
+    (what dense weights ran before backends/cpu/stepwise.py: 85 arrays a step with an f32
+    cache, 90 int8) is counted in full (77 a step here: GLU constants no longer allocate,
+    the head is composed too)."""
+    m = _model("f32")
+    hidden, composed = _stepwise_controls(m, kv, monkeypatch)
+    assert hidden == 3 * m.cfg.num_hidden_layers
+    assert composed >= 3 * 10 * m.cfg.num_hidden_layers
 
 
 def _gemma_model(weights: str) -> Transformer:
     """A tiny random Gemma-3-like model on a CpuBackend ("q4": RTN INT4 linears, "f32")."""
-    from edgeinfer.models.arch import tensor_specs
-    cfg = ModelConfig.from_hf_dict({
-        "model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 6,
-        "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True})
-    rng = np.random.default_rng(1)
-    tensors = {s.name: (rng.standard_normal(s.shape(cfg)) * 0.4).astype(np.float32)
-               for s in tensor_specs(cfg)}
+    cfg, tensors = tiny_gemma(vocab_size=512, hidden_size=64, intermediate_size=96,
+                              num_attention_heads=4)
     if weights == "q4":
         tensors = {k: rtn4(v, 32) if v.ndim == 2 and "embed" not in k else v
                    for k, v in tensors.items()}
@@ -331,29 +331,10 @@ def test_gemma_decode_positive_controls(weights, monkeypatch):
     once per layer and step, and the composition of ops it replaces (``exact_decode``)
     is counted in full (measured before backends/cpu/stepwise.py: 16-22 arrays per layer
     and step, by weights and cache)."""
-    from edgeinfer.backends.cpu import stepwise
     m = _gemma_model(weights)
-    n_layers = m.cfg.num_hidden_layers
-    cache, ids, out = _warm_steps(m, "int8")
-    glu_into = stepwise.glu_into
-
-    def glu_alloc(y, g, u, gelu):  # the same values through a temporary
-        y[...] = glu_into(np.empty_like(y), g, u, gelu)
-        return y
-
-    monkeypatch.setattr(stepwise, "glu_into", glu_alloc)
-    with numpy_allocs() as n_np:
-        for t in (11, 42, 5):
-            ids[0] = t
-            m.forward(ids, cache, out=out)
-    assert n_np[0] == 3 * n_layers
-    monkeypatch.undo()
-    m.backend.exact_decode = True
-    with numpy_allocs() as n_np:
-        for t in (11, 42, 5):
-            ids[0] = t
-            m.forward(ids, cache, out=out)
-    assert n_np[0] >= 3 * 15 * n_layers
+    hidden, composed = _stepwise_controls(m, "int8", monkeypatch)
+    assert hidden == 3 * m.cfg.num_hidden_layers
+    assert composed >= 3 * 15 * m.cfg.num_hidden_layers
 
 
 def test_engine_decode_one_allocates_nothing(quant_model):
