@@ -202,10 +202,23 @@ def cmd_convert(args) -> int:
     if args.json:
         print(json.dumps(report, default=str))
     else:
-        g = "per-channel" if report["group_size"] == -1 else f"group {report['group_size']}"
+        from edgeinfer.container import describe_eif
+
+        d = describe_eif(report["out_path"])
+        groups = sorted({q["group_size"] for q in d["quantization"].values()
+                         if q["bits"] == args.bits})
+        asked = report["group_size"]
+        g = "per-channel" if asked == -1 else str(asked)
+        other = ", ".join(str(x) for x in groups if x != asked)
+        if other:  # rows the requested group does not divide (the --group-size rule)
+            g = (f"{g}, {other} where {asked} does not divide the row" if asked in groups
+                 else f"{other} ({asked} divides no row)")
+        lin = [v for k, v in d["bits_per_weight_by_kind"].items() if k in ("attention", "mlp")]
+        lin_s = f", linear layers {min(lin):.2f}-{max(lin):.2f}" if lin else ""
         print(f"wrote {report['out_path']}: {report['file_size'] / 2**20:.1f} MiB, "
-              f"{report['bits_per_weight']:.2f} bits/weight ({report['method']}, {g}) in "
-              f"{report['convert_seconds']:.1f} s, peak RSS {report['peak_rss_mib']:.0f} MiB")
+              f"{report['bits_per_weight']:.2f} bits/weight in all{lin_s} "
+              f"({report['method']}, group {g}) in {report['convert_seconds']:.1f} s, "
+              f"peak RSS {report['peak_rss_mib']:.0f} MiB")
     return 0
 
 
@@ -372,14 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", required=True)
     s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
     s.add_argument("--bits", type=int, default=4)
-    s.add_argument("--group-size", type=int, default=128, help="-1 = per-channel")
+    s.add_argument("--group-size", type=int, default=128,
+                   help="-1 = per-channel; a row it does not divide takes the largest multiple "
+                        "of 32 that does (SmolLM2's 576-wide rows: 96), recorded per tensor")
     s.add_argument("--symmetric", action="store_true")
     s.add_argument("--embed-bits", type=int, default=8)
     s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
     s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")
     s.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                   help="GPTQ: quantize columns in order of activation size (default on: "
-                        "+12.4%% vs +20.3%% ΔPPL on SmolLM2; no run-time cost)")
+                   help="GPTQ: quantize columns in order of activation size (default on; "
+                        "no run-time cost: the order is undone at convert time)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("--json", action="store_true")
