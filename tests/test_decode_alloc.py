@@ -227,20 +227,26 @@ def _warm_steps(m, kv, max_chunk=512):
     return cache, ids, out
 
 
+def _three_steps(m, cache, ids, out):
+    """Three decode steps (ids 11, 42, 5) into ``out``; returns the last result."""
+    for t in (11, 42, 5):
+        ids[0] = t
+        y = m.forward(ids, cache, out=out)
+    return y
+
+
 @pytest.mark.parametrize("kv", ["int8", "f16", "f32", "int4", "k8v4"])
 def test_warm_decode_step_allocates_nothing(quant_model, kv):
     m = quant_model
     cache, ids, out = _warm_steps(m, kv)
     with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
-        for t in (11, 42, 5):
-            ids[0] = t
-            y = m.forward(ids, cache, out=out)
+        y = _three_steps(m, cache, ids, out)
     assert y is out
     assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 3 decode steps ({kv} cache)"
     assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 3 decode steps ({kv} cache)"
     # the same loop with one np.empty per step is caught (positive control in situ)
     with numpy_allocs() as n_np:
-        for t in (11, 42, 5):
+        for t in (11, 42, 5):  # (inline: the extra np.empty goes inside the loop)
             ids[0] = t
             m.forward(ids, cache, out=out)
             np.empty(1, np.int32)
@@ -267,9 +273,7 @@ def _stepwise_controls(m, kv, monkeypatch) -> tuple[int, int]:
                 mp.setattr(stepwise, "glu_into", glu_alloc)
             m.backend.exact_decode = not hidden
             with numpy_allocs() as n_np:
-                for t in (11, 42, 5):
-                    ids[0] = t
-                    m.forward(ids, cache, out=out)
+                _three_steps(m, cache, ids, out)
             counts.append(n_np[0])
     m.backend.exact_decode = False
     return counts[0], counts[1]
@@ -315,9 +319,7 @@ def test_gemma_warm_decode_step_allocates_nothing(gemma_model, kv, chunk):
     cache, ids, out = _warm_steps(m, kv, chunk)
     assert (cache.slots == [13, 13, 64]) == (chunk == 8)
     with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
-        for t in (11, 42, 5):
-            ids[0] = t
-            y = m.forward(ids, cache, out=out)
+        y = _three_steps(m, cache, ids, out)
     assert y is out
     assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 3 decode steps ({kv} cache)"
     assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 3 decode steps ({kv} cache)"
