@@ -363,11 +363,11 @@ class CpuBackend(Backend):
 
     def decoder_block(self, x, blk, positions, cache, layer):
         """See :meth:`Backend.decoder_block`. Decode (T = 1) over an f32/f16 (linear) or
-        int8/int4/k8v4 cache, nothing allocated: with 4-bit weights of one format one or two
-        Numba calls (:mod:`.decode`), with dense float32 weights BLAS GEMVs and kernels on
-        scratch (:mod:`.stepwise`, which also runs QK-norm / sandwich-norm blocks, 4-bit or
-        dense); the result is the [1, D] scratch of
-        :meth:`attention_output_mlp`. Otherwise the contract's composition."""
+        int8/int4/k8v4 cache, nothing allocated: a plain block with 4-bit weights of one
+        format in one or two Numba calls (:mod:`.decode`), any other block (dense or mixed
+        weights, QK-norm / sandwich norms) one op at a time on scratch (:mod:`.stepwise`);
+        the result is the [1, D] scratch of :meth:`attention_output_mlp`. Otherwise the
+        contract's composition."""
         y = _decode.decoder_block(self, x, blk, positions, cache, layer)
         if y is None:
             return super().decoder_block(x, blk, positions, cache, layer)

@@ -20,8 +20,8 @@ BLAS GEMVs for dense linears), and so do blocks with QK-norm / sandwich norms (G
 Everything a step touches is preallocated: the per-layer QKV output (q/k/v views), the
 rotated K and attention output (per backend), the attention work-item scratch (per
 cache), the activation-quantization buffers (per backend). Python per call: identity
-checks, two dict lookups, the calls. What is not fused falls back to the contract's
-composition (prefill, ``exact_decode``, weights neither all 4-bit of one format nor all
+checks, two dict lookups, the calls. What neither path takes falls back to the contract's
+composition (prefill, ``exact_decode``, weights that are neither 4-bit/8-bit repacked nor
 dense float32, f32/f16 ring layers, int4 at position 0 (its K channel statistics are
 fixed there by the cache), other caches).
 
@@ -225,10 +225,10 @@ def _rotate_k(extra):
 
 
 def decoder_block(be, x, blk, positions, cache, layer):
-    """:meth:`CpuBackend.decoder_block`: the fused decode path (4-bit weights) or the
-    scratch-based one (dense float32 weights, optional norms: :mod:`.stepwise`), or None
-    when neither
-    applies (the caller then runs the contract's composition).
+    """:meth:`CpuBackend.decoder_block`: the fused decode path (a plain block, 4-bit
+    weights of one format) or the step-wise one (dense or mixed weights, optional norms:
+    :mod:`.stepwise`), or None when neither applies (the caller then runs the contract's
+    composition).
 
     Raises:
         ValueError: the position does not fit in the cache.
