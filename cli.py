@@ -13,6 +13,7 @@ import os
 import sys
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.sampling import DEFAULTS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_DTYPE_CHOICES = ("int8", "f16", "f32", "int4", "k8v4")  # edgeinfer.backends.kvcache.ALL_KV_DTYPES
@@ -36,25 +37,40 @@ def _add_runtime_args(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: float = 0.95,
-                       repeat_penalty: float = 1.0) -> None:
-    # chat's defaults (temperature 0.2, top-p 0.9, repeat penalty 1.1) are SmolLM2's own
-    # recommendation plus a mild penalty: at 0.7 a 135M model loops into nonsense.
+#: chat's sampling under the model's generation config: DEFAULTS plus a mild repetition
+#: penalty (at low temperatures a 135M model loops into nonsense).
+CHAT_BASE = dataclasses.replace(DEFAULTS, repetition_penalty=1.1)
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
+    # generate is greedy unless told (as the API); chat takes the model's own defaults
+    # (its generation config, else CHAT_BASE), as the server does for omitted fields
+    def default(field: str) -> str:
+        if chat:
+            return f"(default: the model's generation config, else {getattr(CHAT_BASE, field)})"
+        return f"(default {0.0 if field == 'temperature' else getattr(DEFAULTS, field)})"
+
     p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate")
-    p.add_argument("--temperature", "--temp", type=float, default=temperature,
-                   help=f"0 = greedy (default {temperature})")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=top_p, help=f"(default {top_p})")
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=repeat_penalty,
-                   help=f"(default {repeat_penalty})")
+    p.add_argument("--temperature", "--temp", type=float, default=None,
+                   help=f"0 = greedy {default('temperature')}")
+    p.add_argument("--top-k", type=int, default=None, help=f"0 = off {default('top_k')}")
+    p.add_argument("--top-p", type=float, default=None, help=f"1 = off {default('top_p')}")
+    p.add_argument("--min-p", type=float, default=None, help=f"0 = off {default('min_p')}")
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", metavar="PENALTY",
+                   type=float, default=None, help=f"1 = off {default('repetition_penalty')}")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _sampling(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed)
+def _sampling(args, model=None) -> dict:
+    """The sampling flags given on the command line; for chat (``model`` given) over the
+    model's defaults. generate passes only the given ones: the API's defaults are
+    greedy and :data:`edgeinfer.sampling.DEFAULTS`."""
+    given = {f: getattr(args, f) for f in _SAMPLING_FLAGS if getattr(args, f) is not None}
+    if model is None:
+        return given
+    return {**model.sampling_defaults(CHAT_BASE), **given}
 
 
 def _say(msg: str) -> None:
@@ -185,7 +201,7 @@ def cmd_chat(args) -> int:
     _say(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
          f"{model.n_ctx} tokens). /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
     return run_chat(model, system=args.system, max_tokens=args.max_tokens, stop=args.stop,
-                    sampling=_sampling(args), print_stats=_print_stats,
+                    sampling=_sampling(args, model), print_stats=_print_stats,
                     compile_notice=_compile_notice)
 
 
@@ -369,14 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("generate", help="complete a prompt")
     _add_runtime_args(s)
-    _add_sampling_args(s, temperature=0.0)
+    _add_sampling_args(s, chat=False)
     s.add_argument("--prompt", "-p", required=True)
     s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="chat in the terminal")
     _add_runtime_args(s)
-    _add_sampling_args(s, temperature=0.2, top_p=0.9, repeat_penalty=1.1)
+    _add_sampling_args(s, chat=True)
     s.add_argument("--system", default=None, help="system prompt")
     s.set_defaults(func=cmd_chat)
 
@@ -450,10 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
     if hasattr(args, "temperature"):
-        from edgeinfer.sampling import SamplingParams
-
-        try:
-            SamplingParams(**_sampling(args))
+        try:  # checked before loading: a typo costs no model load
+            dataclasses.replace(DEFAULTS, **_sampling(args))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -6,13 +6,14 @@ Shapes: V = vocabulary size; ``x``/``vals``/``scratch`` float64, ``idx``/``count
 ``distinct``/``where`` int64.
 
 Why a split with numpy (which ``Sampler.sample`` calls between these): the token
-choices must stay bit-identical to the plain numpy chain (kept as the reference in
-tests/test_sampling.py). Every floating-point result that numpy computes with its own
-algorithms (``exp``, whose AVX512F float64 code need not match libm's last bit; the
-pairwise ``sum``; ``cumsum``) is still computed by the same numpy call, with ``out=``
+choices must stay bit-identical to the numpy references in
+:mod:`edgeinfer.sampling_steps`. Every floating-point result that numpy computes with
+its own algorithms (``exp``, whose AVX512F float64 code need not match libm's last bit;
+the pairwise ``sum``; ``cumsum``) is still computed by the same numpy call, with ``out=``
 on the workspace; these kernels do only what is exact whatever the code: comparisons,
 max, selection, compaction, and one IEEE division / multiplication / subtraction per
-element in numpy's order of operations.
+element in numpy's order of operations. tests/test_sampling_kernels.py checks each one
+against its reference.
 """
 from __future__ import annotations
 

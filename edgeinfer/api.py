@@ -23,7 +23,7 @@ from .backends.errors import BackendUnavailableError as _BackendUnavailable
 from .engine import Engine, GenerationEvent
 from .errors import BackendUnavailableError
 from .memory import release_free_heap, release_jit_compiler_pages
-from .sampling import SamplingParams
+from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
 from .tokenizer import Tokenizer
 
@@ -34,41 +34,6 @@ DEFAULT_CTX = 4096
 #: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
 #: the bytes of f16 (benchmarks/kv_quality.py; README table).
 DEFAULT_KV_DTYPE = "int8"
-#: Sampling settings for callers that give none, where the model's generation config has
-#: none either (llama.cpp's server defaults): ``edgeinfer serve`` fills omitted request
-#: fields from :meth:`Model.sampling_defaults`.
-FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
-                     "repetition_penalty": 1.0}
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_defaults(generation: dict | None) -> dict:
-    """Sampling settings from a model's generation config over :data:`FALLBACK_SAMPLING`.
-
-    Args:
-        generation: ``generation_config.json`` values (``ModelSource.generation``); the
-            keys temperature, top_p, top_k, min_p, repetition_penalty are taken, and an
-            explicit ``"do_sample": false`` means greedy (temperature 0), as in HF.
-
-    Returns:
-        dict of those five :class:`SamplingParams` fields. A value the sampler would
-        refuse (say, a negative temperature) is ignored with a warning.
-    """
-    out = dict(FALLBACK_SAMPLING)
-    gen = generation or {}
-    for key in _GENERATION_KEYS:
-        v = gen.get(key)
-        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        try:
-            SamplingParams(**{**out, key: v})
-        except ValueError as e:
-            log.warning("ignoring generation config %s=%r: %s", key, v, e)
-            continue
-        out[key] = int(v) if key == "top_k" else float(v)
-    if gen.get("do_sample") is False:
-        out["temperature"] = 0.0
-    return out
 
 
 def source_weight_bytes(source: ModelSource, backend: str) -> int:
@@ -208,11 +173,11 @@ class Model:
     def n_ctx(self) -> int:
         return self.engine.n_ctx
 
-    def sampling_defaults(self) -> dict:
-        """The model's recommended sampling settings (its generation config over
-        :data:`FALLBACK_SAMPLING`; see :func:`sampling_defaults`). The server uses them
+    def sampling_defaults(self, base: SamplingParams = DEFAULTS) -> dict:
+        """The model's recommended sampling settings: its generation config over ``base``
+        (:func:`edgeinfer.sampling.sampling_defaults`). The server and the chat use them
         for fields a request omits; :meth:`stream_ids` itself stays greedy by default."""
-        return sampling_defaults(self.source.generation)
+        return sampling_defaults(self.source.generation, base)
 
     def warm_up(self) -> float:
         """Run every kernel of a generation once, so the first real call does not pay for
@@ -260,7 +225,9 @@ class Model:
         """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
-        min_p, repetition_penalty, seed). Default: greedy (temperature 0).
+        min_p, repetition_penalty, seed). Default: greedy (temperature 0); other omitted
+        fields take :data:`edgeinfer.sampling.DEFAULTS` (the model's own defaults:
+        ``stream_ids(ids, **model.sampling_defaults())``).
 
         Arguments are checked here, before the first ``next()``; the model's lock is taken
         when iteration starts and released when the stream ends or is closed (use

@@ -1,6 +1,6 @@
-"""Token sampling: logit processors and truncation samplers as pure numpy functions.
+"""Token sampling: one chain, written once as numpy references and once allocation-free.
 
-Chain, in this order (``sample``)::
+Chain, in this order::
 
     penalties (repetition, then presence/frequency)  ->  temperature
         ->  top-k  ->  top-p  ->  min-p  ->  draw from the softmax of what is left
@@ -8,40 +8,69 @@ Chain, in this order (``sample``)::
 This is the Hugging Face ``generate`` order (processors, then ``TemperatureLogitsWarper``
 before ``TopK``/``TopP``/``MinP``), so results match the reference implementation and
 the papers (min-p, Nguyen et al. 2024, defines its threshold on the tempered
-distribution). llama.cpp applies temperature *last* (llama.cpp#4091, its sampler chain
-penalties → top-k → top-p → min-p → temperature → dist), which changes the kept set:
-case C24, probs [0.80, 0.15, 0.05] with min_p 0.1 and temperature 2 keeps {0, 1, 2}
-here and {0, 1} in llama.cpp.
+distribution). llama.cpp applies temperature *last*
+(https://github.com/ggml-org/llama.cpp/issues/4091; its chain is penalties → top-k →
+top-p → min-p → temperature → dist), which changes the kept set: probs [0.80, 0.15,
+0.05] with min_p 0.1 and temperature 2 keep {0, 1, 2} here and {0, 1} in llama.cpp.
 
 Temperature 0 means greedy: argmax of the penalized logits. It never divides, and it
 ignores top-k/top-p/min-p and the random generator (penalties still apply: they are
 processors, not samplers, as in HF and llama.cpp).
 
-All arithmetic is float64 (a softmax over 262144 logits in float32 loses the tail).
-Public filters never modify their input; they return a new float64 array of the same
-shape ``[V]`` where removed entries are ``-inf``. :class:`Sampler` runs the chain on a
-workspace allocated once per stream (a decode step allocates nothing; the engine keeps
-one); ``sample`` is the one-shot form. Randomness comes only from the
-``numpy.random.Generator`` passed in, one ``random()`` per sampled token: the same seed
-and inputs give the same tokens.
+Each step is a pure numpy function in :mod:`edgeinfer.sampling_steps` (re-exported here:
+the public filters); :func:`sample` is their composition, the definition. A
+:class:`Sampler` runs the same chain on a workspace allocated once per stream (a decode
+step allocates nothing; the engine keeps one) and picks the same ids, bit for bit.
+Randomness comes only from the ``numpy.random.Generator`` passed in, one ``random()``
+per sampled token: the same seed and inputs give the same tokens.
+
+:data:`DEFAULTS` are the settings of a caller that gives none (llama.cpp's);
+:func:`sampling_defaults` lays a model's generation config over them.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from .sampling_steps import (
+    ALL_MASKED,
+    BAD_LOGITS,
+    OVERFLOW,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    apply_temperature,
+    draw,
+    draw_support,
+    greedy,
+    min_p_filter,
+    penalty_window,
+    top_k_filter,
+    top_p_filter,
+)
+
+log = logging.getLogger("edgeinfer")
+
 __all__ = [
+    "DEFAULTS",
+    "MODEL_FIELDS",
     "Sampler",
     "SamplingParams",
     "apply_presence_frequency_penalty",
     "apply_repetition_penalty",
     "apply_temperature",
+    "draw",
+    "draw_support",
+    "greedy",
     "make_rng",
     "min_p_filter",
+    "penalty_window",
     "sample",
+    "sampling_defaults",
     "top_k_filter",
     "top_p_filter",
 ]
@@ -49,7 +78,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings; defaults follow llama.cpp's CLI.
+    """Sampling settings; the field defaults are :data:`DEFAULTS` (llama.cpp's).
 
     Attributes:
         temperature: divide logits by this; 0 = greedy argmax. >= 0.
@@ -113,223 +142,131 @@ class SamplingParams:
         """True when ``temperature == 0`` (argmax decoding)."""
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty changes any logit (a window and a non-neutral value)."""
+        return self.penalty_last_n != 0 and (self.repetition_penalty != 1.0 or
+                                             bool(self.presence_penalty) or
+                                             bool(self.frequency_penalty))
+
+
+#: The settings of a caller that gives none: llama.cpp's CLI and server defaults. The
+#: CLI, the API and the server take their defaults from here; a model's generation
+#: config overrides :data:`MODEL_FIELDS` of it (:func:`sampling_defaults`).
+DEFAULTS = SamplingParams()
+
+#: The fields a model's ``generation_config.json`` may set (its HF key names).
+MODEL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: Mapping | None, base: SamplingParams = DEFAULTS) -> dict:
+    """A model's recommended settings: its generation config over ``base``.
+
+    Args:
+        generation: ``generation_config.json`` values (``ModelSource.generation``); the
+            :data:`MODEL_FIELDS` keys are taken, and an explicit ``"do_sample": false``
+            means greedy (temperature 0), as in HF.
+        base: the values of the keys the config does not set.
+
+    Returns:
+        dict of the :data:`MODEL_FIELDS` fields. A value the sampler would refuse (say, a
+        negative temperature) is ignored with a warning.
+    """
+    out = {key: getattr(base, key) for key in MODEL_FIELDS}
+    gen = generation or {}
+    for key in MODEL_FIELDS:
+        v = gen.get(key)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        try:
+            dataclasses.replace(base, **{**out, key: v})
+        except ValueError as e:
+            log.warning("ignoring generation config %s=%r: %s", key, v, e)
+            continue
+        out[key] = int(v) if key == "top_k" else float(v)
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
 
 def make_rng(seed: int | None) -> np.random.Generator:
     """The generator ``sample`` draws from: ``numpy.random.default_rng(seed)`` (PCG64)."""
     return np.random.default_rng(seed)
 
 
-# ---------------------------------------------------------------------------- helpers
-def _as_f64_copy(logits: np.ndarray) -> np.ndarray:
-    """A float64 copy of a 1-D logits vector. Raises ValueError for other shapes."""
-    x = np.array(logits, dtype=np.float64, copy=True)
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           history: Sequence[int] | np.ndarray = ()) -> int:
+    """Pick the next token id from ``logits``: the chain of the numpy references.
+
+    The definition that :class:`Sampler` reproduces bit for bit; it allocates [V]
+    arrays per step, so a decode loop keeps one ``Sampler`` per stream instead (as
+    :meth:`edgeinfer.engine.Engine.stream`).
+
+    Args:
+        logits: [V] float16/32/64 logits of the last position (not modified).
+        params: validated ``SamplingParams``.
+        rng: the generator to draw from (``make_rng(params.seed)``, kept for the whole
+            generation so that a seed fixes the entire sequence). Unused when greedy.
+        history: ids seen so far, prompt included; the penalties use the last
+            ``params.penalty_last_n`` of them.
+
+    Returns:
+        A token id in [0, V) as a Python int.
+
+    Raises:
+        ValueError: logits not 1-D, containing NaN or +inf, or all -inf; history ids out
+            of range; or (sampling only) no finite logit left, or +inf, after penalties
+            and temperature (float64 logits near 1e308, or penalties that overflow).
+    """
+    x = np.asarray(logits)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
-    return x
-
-
-def _history_ids(history: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
-    """History as int64 ids [n]. Raises ValueError for ids outside [0, vocab)."""
-    ids = np.asarray(history, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise ValueError(f"history ids must be in [0, {vocab}), got range "
-                         f"[{ids.min()}, {ids.max()}]")
-    return ids
-
-
-def _repetition_penalty_(x: np.ndarray, ids: np.ndarray, penalty: float) -> None:
-    # CTRL (Keskar et al. 2019) as implemented by HF RepetitionPenaltyLogitsProcessor:
-    # each distinct seen token once, positive logits divided, negative multiplied, so
-    # the token always becomes less likely whatever its sign.
-    u = np.unique(ids)
-    s = x[u]
-    x[u] = np.where(s < 0, s * penalty, s / penalty)
-
-
-def _presence_frequency_(x: np.ndarray, ids: np.ndarray, presence: float, frequency: float) -> None:
-    # OpenAI API definition: logit[j] -= c[j] * frequency + (c[j] > 0) * presence.
-    u, counts = np.unique(ids, return_counts=True)
-    x[u] -= counts * frequency + presence
-
-
-# The truncation samplers work on a candidate set: ``idx`` [n] int64 token ids and
-# ``vals`` [n] float64 their logits. ``sample`` narrows the set step by step (after top-k
-# it holds ~k entries, so top-p and min-p cost O(k log k), not O(V log V)); the public
-# ``*_filter`` functions run the same code on the full vocabulary.
-def _top_k_keep(vals: np.ndarray, k: int) -> np.ndarray | None:
-    """Mask [n] of the k largest values (ties with the k-th kept, as HF); None = keep all."""
-    n = vals.size
-    if not 0 < k < n:
-        return None
-    kth = np.partition(vals, n - k)[n - k]  # k-th largest value, O(n)
-    return vals >= kth
-
-
-def _top_p_keep(vals: np.ndarray, top_p: float) -> np.ndarray | None:
-    """Mask [n] of the nucleus (HF TopPLogitsWarper); None = keep all.
-
-    HF sorts ascending and drops tokens whose cumulative probability is <= 1 - top_p,
-    always keeping the largest. Tokens with p <= (1 - top_p) / n can be dropped before
-    sorting (exact: together they weigh <= 1 - top_p and they are the smallest), so the
-    sort only sees the plausible candidates.
-    """
-    if top_p >= 1.0:
-        return None
-    p = np.exp(vals - vals.max())
-    p /= p.sum()
-    cand = np.flatnonzero(p > (1.0 - top_p) / vals.size)
-    order = cand[np.argsort(p[cand], kind="stable")]  # ascending probability
-    cum = np.cumsum(p[order]) + (1.0 - p[cand].sum())  # pre-dropped mass comes first
-    remove = cum <= 1.0 - top_p
-    remove[-1] = False
-    keep = np.zeros(vals.size, dtype=bool)
-    keep[order[~remove]] = True
-    return keep
-
-
-def _min_p_keep(vals: np.ndarray, min_p: float) -> np.ndarray | None:
-    """Mask [n] of p >= min_p * p_max (HF MinPLogitsWarper), in log space; None = keep all."""
-    if min_p <= 0.0:
-        return None
-    return vals >= vals.max() + math.log(min_p)  # the max itself always survives
-
-
-def _filter_full(logits: np.ndarray, keep_fn, arg) -> np.ndarray:
-    """Apply a candidate-set filter to a whole [V] vector: new float64 array, -inf where dropped."""
-    x = _as_f64_copy(logits)
-    idx = np.flatnonzero(x > -np.inf)
-    if idx.size == 0:
-        return x
-    keep = keep_fn(x[idx], arg)
-    if keep is not None:
-        drop = np.ones(x.size, dtype=bool)
-        drop[idx[keep]] = False
-        np.copyto(x, -np.inf, where=drop)  # (boolean-index assignment is 10x slower)
-    return x
-
-
-# ---------------------------------------------------------------------------- public API
-def apply_repetition_penalty(logits: np.ndarray, history_ids: Sequence[int] | np.ndarray,
-                             penalty: float) -> np.ndarray:
-    """Penalize tokens seen in ``history_ids`` (HF ``RepetitionPenaltyLogitsProcessor``).
-
-    Each distinct id once: positive logits divided by ``penalty``, negative multiplied.
-
-    Args:
-        logits: [V] float array.
-        history_ids: ids seen so far (prompt + generated, or a recent window).
-        penalty: > 0; 1 = no change, > 1 discourages repetition.
-
-    Returns:
-        New [V] float64 array.
-
-    Raises:
-        ValueError: ``penalty <= 0``, bad logits shape, or an id outside [0, V).
-    """
-    if not penalty > 0:
-        raise ValueError(f"repetition penalty must be > 0, got {penalty!r}")
-    x = _as_f64_copy(logits)
-    ids = _history_ids(history_ids, x.size)
-    if ids.size and penalty != 1.0:
-        _repetition_penalty_(x, ids, float(penalty))
-    return x
-
-
-def apply_presence_frequency_penalty(logits: np.ndarray, history_ids: Sequence[int] | np.ndarray,
-                                     presence: float, frequency: float) -> np.ndarray:
-    """OpenAI presence/frequency penalties: ``logit[j] -= count[j]*frequency + (count[j]>0)*presence``.
-
-    Args:
-        logits: [V] float array. history_ids: ids seen. presence, frequency: finite floats.
-
-    Returns:
-        New [V] float64 array.
-
-    Raises:
-        ValueError: bad logits shape or an id outside [0, V).
-    """
-    x = _as_f64_copy(logits)
-    ids = _history_ids(history_ids, x.size)
-    if ids.size and (presence or frequency):
-        _presence_frequency_(x, ids, float(presence), float(frequency))
-    return x
-
-
-def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """``logits / temperature`` as a new [V] float64 array.
-
-    Raises:
-        ValueError: ``temperature <= 0`` (0 is greedy decoding; use ``sample``, which
-            takes the argmax without dividing).
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to scale logits (0 = greedy), got {temperature!r}")
-    return _as_f64_copy(logits) / float(temperature)
-
-
-def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
-    """Keep the ``k`` largest logits (and any tied with the k-th); others become -inf.
-
-    ``k <= 0`` or ``k >= V`` keeps everything. Returns a new [V] float64 array.
-    """
-    return _filter_full(logits, _top_k_keep, int(k))
-
-
-def top_p_filter(logits: np.ndarray, top_p: float) -> np.ndarray:
-    """Nucleus filter (Holtzman et al. 2019, HF ``TopPLogitsWarper``).
-
-    Keeps the most probable tokens whose cumulative probability reaches ``top_p``
-    (precisely: drops ascending-sorted tokens whose cumulative mass is <= 1 - top_p),
-    always at least the most probable one. Returns a new [V] float64 array.
-
-    Raises:
-        ValueError: ``top_p`` outside (0, 1].
-    """
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    return _filter_full(logits, _top_p_keep, float(top_p))
-
-
-def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
-    """Min-p filter (Nguyen et al. 2024, HF ``MinPLogitsWarper``): drop p < min_p * p_max.
-
-    Returns a new [V] float64 array; ``min_p == 0`` keeps everything.
-
-    Raises:
-        ValueError: ``min_p`` outside [0, 1].
-    """
-    if not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
-    return _filter_full(logits, _min_p_keep, float(min_p))
+    if params.temperature == 0 and not params.penalized:
+        return greedy(x)
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError(BAD_LOGITS)
+    if params.penalized:
+        ids = penalty_window(history, params.penalty_last_n, x.size)
+        x = apply_repetition_penalty(x, ids, params.repetition_penalty)
+        x = apply_presence_frequency_penalty(x, ids, params.presence_penalty,
+                                             params.frequency_penalty)
+        if np.isnan(x).any():
+            raise ValueError(BAD_LOGITS)
+    if x.max() == -np.inf:
+        raise ValueError(ALL_MASKED)
+    if params.temperature == 0:
+        return int(np.argmax(x))
+    x = apply_temperature(x, params.temperature)
+    if x.max() in (np.inf, -np.inf):
+        raise ValueError(OVERFLOW)
+    x = top_k_filter(x, params.top_k)
+    x = top_p_filter(x, params.top_p)
+    x = min_p_filter(x, params.min_p)
+    return draw(x, rng)
 
 
 # ---------------------------------------------------------------- allocation-free sampler
 # The chain on a workspace allocated once: numpy ufuncs with ``out=`` for the floating
 # point, Numba kernels for the rest (edgeinfer/_sampling_kernels.py says why the split
-# keeps the token choices bit-identical to the plain numpy chain). Imported by the first
+# keeps the token choices bit-identical to the references). Imported by the first
 # ``Sampler.start`` that needs them: ``import edgeinfer.api`` must not import Numba.
-def _greedy(x: np.ndarray, out: np.ndarray | None) -> int:
-    """Plain greedy: argmax of ``x`` [V] as given, no float64 copy (the widening is exact,
-    so the same id). ``out``: a 0-d intp array for the index (None: numpy makes one)."""
-    i = int(np.argmax(x, out=out))  # the first NaN, else the first +inf, else the max
-    m = float(x[i])
-    if math.isnan(m) or m == math.inf:
-        raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
-    if m == -math.inf:
-        raise ValueError("every logit is -inf; nothing can be sampled")
-    return i
+_EMPTY_I64 = np.zeros(0, np.int64)
+_EMPTY_F64 = np.zeros(0, np.float64)
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 class Sampler:
-    """A sampling workspace: ``sample``'s chain with no allocation per token.
+    """A sampling workspace: :func:`sample`'s chain with no allocation per token.
 
     One per generation stream (it holds the penalty window of that stream); reusable
     across streams through :meth:`start`. Not thread-safe: one thread at a time.
 
-    Buffers (allocated by :meth:`start` on first need, then reused; V = ``vocab``):
-    the float64 working copy of the logits, candidate ids int64 / logits float64,
-    probability and cumulative-sum scratch float64, all [V]; a [top_k] heap; with
-    penalties, counts / distinct ids / positions int64 [V] and a [penalty_last_n] ring.
+    Workspace (allocated by :meth:`start` on first need, then reused; V = ``vocab``):
+    ``x`` the float64 working copy of the logits [V]; the candidate set, ``idx`` int64 /
+    ``vals`` float64 [V], ascending ids; ``t``, ``p``, ``cp`` float64 [V] scratch (``t``
+    holds the last draw's cumulative weights); ``heap`` [top_k] for top-k; with
+    penalties, ``counts`` / ``distinct`` / ``where`` int64 [V] and a [penalty_last_n]
+    ``ring`` (``_sampling_kernels._window_push`` describes them).
 
     Usage::
 
@@ -345,21 +282,17 @@ class Sampler:
         if vocab < 1:
             raise ValueError(f"vocab must be >= 1, got {vocab}")
         self.vocab = int(vocab)
-        self.params = SamplingParams(temperature=0.0)
+        self.params = _GREEDY
         self._penalized = False
-        self._buf: dict[str, np.ndarray] = {}
-        self._zi = np.zeros((), np.intp)   # argmax result
-        self._z = np.zeros((), np.float64)  # reductions' result / broadcast scalar
-        self._ring = np.zeros(0, np.int64)  # also the empty int64 array of the unpenalized
-        self._state = np.zeros(3, np.int64)
-        self._one = np.zeros(1, np.int64)  # accept()'s id
         self._k = None  # the kernels module, imported on first need
-
-    def _get(self, name: str, n: int, dtype=np.float64) -> np.ndarray:
-        a = self._buf.get(name)
-        if a is None or a.size < n:
-            a = self._buf[name] = np.zeros(n, dtype)
-        return a
+        self.x = self.vals = self.t = self.p = self.cp = self.heap = _EMPTY_F64
+        self.idx = self.counts = self.distinct = self.where = _EMPTY_I64
+        self.ring = _EMPTY_I64  # the last penalty_last_n ids (size 0: the whole history)
+        self.state = np.zeros(3, np.int64)  # the window's (n_distinct, ring length, position)
+        self.n = 0  # the support size of the last draw
+        self._zi = np.zeros((), np.intp)    # argmax result
+        self._z = np.zeros((), np.float64)  # reductions' result / broadcast scalar
+        self._one = np.zeros(1, np.int64)   # accept()'s id
 
     def start(self, params: SamplingParams, history: Sequence[int] | np.ndarray = ()) -> None:
         """Begin a sequence: take ``params`` and fill the penalty window from ``history``
@@ -369,29 +302,28 @@ class Sampler:
             ValueError: history ids outside [0, vocab) (only checked when penalized).
         """
         V = self.vocab
-        n = params.penalty_last_n
         self.params = params
-        self._penalized = bool(n != 0 and (params.repetition_penalty != 1.0 or
-                                           params.presence_penalty or params.frequency_penalty))
+        self._penalized = params.penalized
         if self._k is None and (self._penalized or params.temperature > 0):
             from . import _sampling_kernels
             self._k = _sampling_kernels
-        K = self._k
         if self._penalized:
-            ids = _history_ids(history, V)
-            ids = np.ascontiguousarray(ids[-n:] if n > 0 else ids)
-            counts = self._get("counts", V, np.int64)
-            distinct = self._get("distinct", V, np.int64)
-            K._window_clear(counts, distinct, self._state)
-            if self._ring.size != max(n, 0):
-                self._ring = np.zeros(max(n, 0), np.int64)
-            K._window_push(ids, counts, distinct, self._get("where", V, np.int64),
-                           self._ring, self._state)
+            ids = np.ascontiguousarray(penalty_window(history, params.penalty_last_n, V))
+            if self.counts.size < V:
+                self.counts, self.distinct, self.where = (np.zeros(V, np.int64) for _ in range(3))
+            self._k._window_clear(self.counts, self.distinct, self.state)
+            n_ring = max(params.penalty_last_n, 0)
+            if self.ring.size != n_ring:
+                self.ring = np.zeros(n_ring, np.int64)
+            self._k._window_push(ids, self.counts, self.distinct, self.where, self.ring,
+                                 self.state)
         if params.temperature > 0 or self._penalized:
-            for name in ("x", "vals", "t", "p", "cp"):
-                self._get(name, V)
-            self._get("idx", V, np.int64)
-            self._get("heap", min(max(params.top_k, 1), V))
+            if self.x.size < V:
+                self.x, self.vals, self.t, self.p, self.cp = (np.zeros(V) for _ in range(5))
+                self.idx = np.zeros(V, np.int64)
+            k = min(max(params.top_k, 1), V)
+            if self.heap.size < k:
+                self.heap = np.zeros(k)
 
     def accept(self, token: int) -> None:
         """Append a sampled (or forced) id to the penalty window; O(1), no allocation.
@@ -405,8 +337,8 @@ class Sampler:
             raise ValueError(f"history ids must be in [0, {self.vocab}), got range "
                              f"[{token}, {token}]")
         self._one[0] = token
-        self._k._window_push(self._one, self._buf["counts"], self._buf["distinct"],
-                             self._buf["where"], self._ring, self._state)
+        self._k._window_push(self._one, self.counts, self.distinct, self.where, self.ring,
+                             self.state)
 
     def sample(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         """Pick the next id from ``logits`` [V] (float16/32/64, not modified).
@@ -415,98 +347,79 @@ class Sampler:
             A token id in [0, V) as a Python int.
 
         Raises:
-            ValueError: logits not [V], containing NaN or +inf, or all -inf; or (sampling
-                only) no finite logit left, or +inf, after penalties and temperature
-                (float64 logits near 1e308 or penalties that overflow; the numpy chain
-                crashed there or drew from NaNs).
+            ValueError: as :func:`sample`, with the same messages.
         """
         x = np.asarray(logits)  # (an ndarray is passed through: no copy)
         if x.ndim != 1 or x.size != self.vocab:
             raise ValueError(f"logits must be a 1-D array [{self.vocab}], got shape {x.shape}")
         params = self.params
         if params.temperature == 0 and not self._penalized:
-            return _greedy(x, self._zi)
-        b = self._buf
-        xf = b["x"]  # [V] float64 working copy
+            return greedy(x, self._zi)
+        self._penalize(x)
+        if params.temperature == 0:
+            np.argmax(self.x, out=self._zi)
+            return int(self._zi)
+        n, m = self._k._temper_top_k(self.x, float(params.temperature), int(params.top_k),
+                                     self.heap, self.idx, self.vals, self.p)
+        if n == 0 or m == math.inf:
+            raise ValueError(OVERFLOW)
+        if params.top_p < 1.0:
+            n, m = self._top_p(n, m, float(params.top_p))
+        if params.min_p > 0.0:
+            n, m = self._k._min_p_compact(self.idx, self.vals, n, m + math.log(params.min_p))
+        return self._draw(n, m, rng.random())
+
+    # ---- the steps (each one checked against its reference in test_sampling_kernels) --
+    def _penalize(self, x: np.ndarray) -> None:
+        """``self.x = x`` as float64 with the penalties applied (``apply_repetition_penalty``
+        then ``apply_presence_frequency_penalty`` over the window). Raises ValueError."""
         src = x
         if x.dtype != np.float32 and x.dtype != np.float64:  # (2 compiled signatures)
-            np.copyto(xf, x)
-            src = xf
-        nd = int(self._state[0]) if self._penalized else 0
-        none = self._ring[:0]  # int64 [0]: one compiled signature for both cases
-        K = self._k
-        status = K._load_penalize(src, xf, b.get("counts", none), b.get("distinct", none), nd,
-                                  float(params.repetition_penalty),
-                                  float(params.presence_penalty), float(params.frequency_penalty))
+            np.copyto(self.x, x)
+            src = self.x
+        params = self.params
+        nd = int(self.state[0]) if self._penalized else 0
+        status = self._k._load_penalize(src, self.x, self.counts, self.distinct, nd,
+                                        float(params.repetition_penalty),
+                                        float(params.presence_penalty),
+                                        float(params.frequency_penalty))
         if status == 1:
-            raise ValueError("logits contain NaN or +inf (a numerical fault in the model forward)")
+            raise ValueError(BAD_LOGITS)
         if status == 2:
-            raise ValueError("every logit is -inf; nothing can be sampled")
-        if params.temperature == 0:
-            np.argmax(xf, out=self._zi)
-            return int(self._zi)
-        idx, vals, t, p, z = b["idx"], b["vals"], b["t"], b["p"], self._z
-        n, m = K._temper_top_k(xf, float(params.temperature), int(params.top_k), b["heap"],
-                               idx, vals, p)
-        if n == 0 or m == math.inf:
-            raise ValueError("no finite logit left after penalties and temperature "
-                             "(overflow); lower the penalties or raise the temperature")
-        if params.top_p < 1.0:
-            z[()] = m
-            np.subtract(vals[:n], z, out=t[:n])
-            np.exp(t[:n], out=p[:n])
-            np.add.reduce(p[:n], out=z)
-            np.divide(p[:n], z, out=p[:n])
-            thr = (1.0 - params.top_p) / n  # below it: dropped before sorting (exact)
-            cp = b["cp"]
-            k = K._gather_above(p, n, thr, cp)
-            np.add.reduce(cp[:k], out=z)
-            z[()] = 1.0 - z[()]  # the pre-dropped mass, first in the cumulative sum
-            cp[:k].sort()
-            np.cumsum(cp[:k], out=t[:k])
-            np.add(t[:k], z, out=t[:k])
-            n, m = K._top_p_compact(p, n, thr, cp, t, k, 1.0 - params.top_p, idx, vals)
-        if params.min_p > 0.0:
-            n, m = K._min_p_compact(idx, vals, n, m + math.log(params.min_p))
-        # inverse CDF over the survivors (ascending ids): one uniform number per token
+            raise ValueError(ALL_MASKED)
+
+    def _top_p(self, n: int, m: float, top_p: float) -> tuple[int, float]:
+        """Narrow the candidates ``idx[:n]``/``vals[:n]`` (``m`` their max) to the nucleus
+        (``top_p_filter``); returns (n', max of vals[:n'])."""
+        t, p, cp, z = self.t, self.p, self.cp, self._z
         z[()] = m
-        np.subtract(vals[:n], z, out=t[:n])
+        np.subtract(self.vals[:n], z, out=t[:n])
         np.exp(t[:n], out=p[:n])
-        np.cumsum(p[:n], out=t[:n])
-        i = K._search_right(t, n, rng.random() * t[n - 1])
-        self._n = n  # the support size of the last draw (tests compare idx[:n], t[:n])
-        return int(idx[min(i, n - 1)])
+        np.add.reduce(p[:n], out=z)
+        np.divide(p[:n], z, out=p[:n])
+        thr = (1.0 - top_p) / n  # below it: dropped before sorting (exact)
+        k = self._k._gather_above(p, n, thr, cp)
+        np.add.reduce(cp[:k], out=z)
+        z[()] = 1.0 - z[()]  # the pre-dropped mass, first in the cumulative sum
+        cp[:k].sort()
+        np.cumsum(cp[:k], out=t[:k])
+        np.add(t[:k], z, out=t[:k])
+        return self._k._top_p_compact(p, n, thr, cp, t, k, 1.0 - top_p, self.idx, self.vals)
 
+    def _draw(self, n: int, m: float, u: float) -> int:
+        """The id at ``u`` in [0, 1) of the inverse CDF over ``idx[:n]`` (``draw``, its
+        ``rng.random()`` being ``u``); ``m`` = max of vals[:n]. Leaves the cumulative
+        weights in ``t[:n]`` (``draw_support``)."""
+        t, z = self.t, self._z
+        z[()] = m
+        np.subtract(self.vals[:n], z, out=t[:n])
+        np.exp(t[:n], out=self.p[:n])
+        np.cumsum(self.p[:n], out=t[:n])
+        i = self._k._search_right(t, n, u * t[n - 1])
+        self.n = n
+        return int(self.idx[min(i, n - 1)])
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           history: Sequence[int] | np.ndarray = ()) -> int:
-    """Pick the next token id from ``logits`` with the chain in the module docstring.
-
-    A one-shot :class:`Sampler` (its buffers allocated for this call); a decode loop
-    keeps one ``Sampler`` per stream instead (as :meth:`edgeinfer.engine.Engine.stream`).
-
-    Args:
-        logits: [V] float16/32/64 logits of the last position (not modified).
-        params: validated ``SamplingParams``.
-        rng: the generator to draw from (``make_rng(params.seed)``, kept for the whole
-            generation so that a seed fixes the entire sequence). Unused when greedy.
-        history: ids seen so far, prompt included; the penalties use the last
-            ``params.penalty_last_n`` of them.
-
-    Returns:
-        A token id in [0, V) as a Python int.
-
-    Raises:
-        ValueError: logits not 1-D, containing NaN or +inf, or all -inf; history ids out
-            of range.
-    """
-    x = np.asarray(logits)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
-    if params.temperature == 0 and (params.penalty_last_n == 0 or (
-            params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty)):
-        return _greedy(x, None)  # no workspace needed
-    s = Sampler(x.size)
-    s.start(params, history)
-    return s.sample(x, rng)
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the last draw's support: ids int64 [n] and cumulative weights
+        float64 [n] (what :func:`draw_support` gives for the chain's last vector)."""
+        return self.idx[:self.n], self.t[:self.n]

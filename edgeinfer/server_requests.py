@@ -4,7 +4,7 @@ Every rejection is an :class:`APIError` rendered as an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` (no pydantic: requests are small and
 checked by hand so each message names the offending field). :func:`parse_common` turns
 the fields both endpoints share into a :class:`GenRequest`, filling omitted sampling
-fields from the served model's defaults (:func:`edgeinfer.api.sampling_defaults`).
+fields from the served model's defaults (:func:`edgeinfer.sampling.sampling_defaults`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sampling_defaults
 
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -165,12 +165,6 @@ class GenRequest:
     include_usage: bool = False
 
 
-#: What a request gets for omitted sampling fields when the server is given no model
-#: defaults (OpenAI's own: no filtering); ``edgeinfer serve`` passes the model's instead.
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                   "repetition_penalty": 1.0}
-
-
 def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> GenRequest:
     """The parameters both endpoints share.
 
@@ -179,7 +173,7 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
         model_name: the served model id (``model`` may be omitted or must equal it).
         defaults: values for omitted ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
             ``repetition_penalty`` (the model's generation config, as llama.cpp's server
-            and ollama do); missing keys fall back to :data:`OPENAI_SAMPLING`.
+            and ollama do); missing keys fall back to :data:`edgeinfer.sampling.DEFAULTS`.
 
     Raises:
         APIError: 404 for a model other than the served one, 400 for anything malformed.
@@ -207,7 +201,7 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     include_usage = bool(stream and opts and get_bool(opts, "include_usage", False))
-    d = {**OPENAI_SAMPLING, **(defaults or {})}
+    d = {**sampling_defaults(None), **(defaults or {})}
     sampling = dict(
         temperature=get_number(body, "temperature", d["temperature"], 0.0, 2.0),
         top_p=get_number(body, "top_p", d["top_p"], 0.0, 1.0, lo_open=True),

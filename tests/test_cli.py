@@ -249,6 +249,28 @@ def _pty_chat(stories_dir, keys: list[str], timeout=120) -> tuple[bytes, int]:
     return shown, os.waitstatus_to_exitcode(status)
 
 
+def test_sampling_flags_over_the_models_defaults_over_DEFAULTS():
+    """chat: a flag given > the model's generation config > CHAT_BASE (DEFAULTS with a
+    repetition penalty 1.1); generate passes only the flags given (the API then is
+    greedy with DEFAULTS). No flag default is a table of its own."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    import cli
+    from edgeinfer.sampling import DEFAULTS, sampling_defaults
+
+    class Model:
+        def sampling_defaults(self, base):
+            return sampling_defaults({"temperature": 0.2, "top_p": 0.9}, base)
+
+    args = cli.build_parser().parse_args(["chat", "--top-p", "0.5", "--seed", "3"])
+    assert cli._sampling(args, Model()) == {
+        "temperature": 0.2, "top_p": 0.5, "top_k": DEFAULTS.top_k, "min_p": DEFAULTS.min_p,
+        "repetition_penalty": 1.1, "seed": 3}
+    args = cli.build_parser().parse_args(["generate", "-p", "x", "--top-k", "5"])
+    assert cli._sampling(args) == {"top_k": 5}
+    args = cli.build_parser().parse_args(["generate", "-p", "x"])
+    assert cli._sampling(args) == {}
+
+
 def test_chat_help_lists_quit_and_ctrl_d_ends_on_a_fresh_line(stories_dir):
     shown, code = _pty_chat(stories_dir, ["/help\n", "\x04"])
     assert code == 0, shown

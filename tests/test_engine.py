@@ -147,12 +147,10 @@ def test_chat_session_keeps_the_kv_cache_between_turns(stories_dir):
 
 
 def test_sampled_stream_matches_the_numpy_chain_and_reuses_its_sampler(model):
-    """Engine.stream with penalties and every truncation picks the ids the plain numpy
-    chain (test_sampling's reference) picks from the same logits, history and seed; its
-    sampling workspace is made once and reused by later streams."""
-    from test_sampling import _ref_sample
-
-    from edgeinfer.sampling import SamplingParams
+    """Engine.stream with penalties and every truncation picks the ids the chain of numpy
+    references (``edgeinfer.sampling.sample``) picks from the same logits, history and
+    seed; its sampling workspace is made once and reused by later streams."""
+    from edgeinfer.sampling import SamplingParams, sample
 
     eng = model.engine
     prompt = model.encode_prompt("Once upon a time")
@@ -169,7 +167,7 @@ def test_sampled_stream_matches_the_numpy_chain_and_reuses_its_sampler(model):
     logits, _ = eng.prefill(history)
     want = []
     for _ in got:
-        want.append(_ref_sample(logits, params, rng, history))
+        want.append(sample(logits, params, rng, history))
         history.append(want[-1])
         logits = eng.decode_one(want[-1])
     assert got == want

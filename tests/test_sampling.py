@@ -1,12 +1,19 @@
-"""Samplers on hand-built distributions (case C24 and the HF semantics of each filter)."""
+"""The sampling chain: each filter's HF semantics on hand-built distributions, the
+order of the chain (temperature before min-p, temperature 0 greedy), the defaults, and
+the allocation-free Sampler picking the chain's tokens. The chain order and its
+temperature-0 rule: https://github.com/ggml-org/llama.cpp/issues/4091."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
+from sampling_cases import KINDS, bits, random_logits, random_params
 
 from edgeinfer.sampling import (
+    DEFAULTS,
+    MODEL_FIELDS,
     Sampler,
     SamplingParams,
     apply_presence_frequency_penalty,
@@ -15,6 +22,7 @@ from edgeinfer.sampling import (
     make_rng,
     min_p_filter,
     sample,
+    sampling_defaults,
     top_k_filter,
     top_p_filter,
 )
@@ -29,8 +37,8 @@ def draws(logits, params, n=400, seed=0) -> set[int]:
     return {sample(logits, params, rng) for _ in range(n)}
 
 
-# ---------------------------------------------------------------- C24
-def test_c24_temperature_before_min_p():
+# ---------------------------------------------------------------- the chain's order
+def test_temperature_before_min_p():
     logits = np.log(np.array([0.80, 0.15, 0.05]))
     tempered = apply_temperature(logits, 2.0)
     p = np.exp(tempered - tempered.max())
@@ -44,7 +52,7 @@ def test_c24_temperature_before_min_p():
     assert draws(logits, params, n=600) == {0, 1, 2}
 
 
-def test_c24_temperature_zero_is_argmax_whatever_top_p_and_seed():
+def test_temperature_zero_is_argmax_whatever_top_p_and_seed():
     logits = np.log(np.array([0.80, 0.15, 0.05]))
     for seed in (None, 0, 1, 12345):
         for top_p in (0.9, 0.01, 1.0):
@@ -194,9 +202,28 @@ def test_invalid_params_raise(kwargs, needle):
 
 
 def test_defaults_are_llama_cpp_like():
-    p = SamplingParams()
-    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.seed) == \
-        (0.8, 40, 0.95, 0.05, 1.0, None)
+    assert SamplingParams() == DEFAULTS
+    p = DEFAULTS
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty, p.penalty_last_n, p.seed) == (0.8, 40, 0.95, 0.05, 1.0, 0.0,
+                                                              0.0, 64, None)
+
+
+def test_sampling_defaults_lay_the_generation_config_over_defaults():
+    assert sampling_defaults(None) == sampling_defaults({}) == {
+        "temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0}
+    got = sampling_defaults({"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2]})
+    assert got == {**sampling_defaults(None), "temperature": 0.2, "top_p": 0.9}
+    assert sampling_defaults({"do_sample": False, "temperature": 0.6})["temperature"] == 0.0
+    # a value the sampler refuses is ignored, not fatal; the others still apply
+    assert sampling_defaults({"temperature": -1, "top_k": 20}) == {**sampling_defaults(None),
+                                                                   "top_k": 20}
+    assert sampling_defaults({"top_k": True, "min_p": "0.2"}) == sampling_defaults(None)
+    # another base: the keys the config does not set come from it
+    base = SamplingParams(temperature=0.3, repetition_penalty=1.1)
+    assert sampling_defaults({"temperature": 0.7}, base) == {
+        "temperature": 0.7, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1}
+    assert set(sampling_defaults(None)) == set(MODEL_FIELDS)
 
 
 def test_bad_logits_raise():
@@ -224,147 +251,83 @@ def test_large_vocab_is_fast_enough():
     assert per_call < 0.5  # generous: the full-vocabulary nucleus path, no top-k
 
 
-# ---------------------------------------------------------------- workspace sampler == numpy chain
-# The reference: the plain-numpy ``sample`` this runtime used before the allocation-free
-# ``Sampler`` (a verbatim copy, so that later edits of sampling.py cannot move it), with a
-# hook returning its final support: candidate ids and cumulative weights.
-def _ref_sample(logits, params, rng, history=(), trace=None):
-    x = np.array(logits, dtype=np.float64, copy=True)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError("logits must be a non-empty 1-D array")
-    n = params.penalty_last_n
-    penalized = n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty
-                            or params.frequency_penalty)
-    if np.isnan(x).any() or np.isposinf(x).any():
-        raise ValueError("logits contain NaN or +inf")
-    if penalized:
-        ids = np.asarray(history, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= x.size):
-            raise ValueError("history ids out of range")
-        if n > 0:
-            ids = ids[-n:]
-        if ids.size:
-            if params.repetition_penalty != 1.0:
-                u = np.unique(ids)
-                s = x[u]
-                x[u] = np.where(s < 0, s * params.repetition_penalty,
-                                s / params.repetition_penalty)
-            if params.presence_penalty or params.frequency_penalty:
-                u, counts = np.unique(ids, return_counts=True)
-                x[u] -= counts * params.frequency_penalty + params.presence_penalty
-    if x.max() == -np.inf:
-        raise ValueError("every logit is -inf")
-    if params.temperature == 0:
-        return int(np.argmax(x))
-    x /= params.temperature
-    k = params.top_k
-    floor = np.partition(x, x.size - k)[x.size - k] if 0 < k < x.size else -np.inf
-    idx = np.flatnonzero(x >= floor) if floor > -np.inf else np.flatnonzero(x > -np.inf)
-    vals = x[idx]
-    if params.top_p < 1.0:
-        p = np.exp(vals - vals.max())
-        p /= p.sum()
-        cand = np.flatnonzero(p > (1.0 - params.top_p) / vals.size)
-        order = cand[np.argsort(p[cand], kind="stable")]
-        cum = np.cumsum(p[order]) + (1.0 - p[cand].sum())
-        remove = cum <= 1.0 - params.top_p
-        remove[-1] = False
-        keep = np.zeros(vals.size, dtype=bool)
-        keep[order[~remove]] = True
-        idx, vals = idx[keep], vals[keep]
-    if params.min_p > 0.0:
-        keep = vals >= vals.max() + math.log(params.min_p)
-        idx, vals = idx[keep], vals[keep]
-    cdf = np.cumsum(np.exp(vals - vals.max()))
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    if trace is not None:
-        trace[:] = [idx, cdf]
-    return int(idx[min(i, idx.size - 1)])
-
-
-def _random_logits(g, vocab, kind, dtype):
-    x = g.normal(size=vocab) * g.choice([0.05, 1.0, 4.0, 30.0])
-    if kind == "ties":       # few distinct values: ties at the top-k / top-p boundaries
-        x = np.round(x / 4.0) if x.std() > 0 else x
-    elif kind == "-inf":     # masked entries (grammar / banned tokens)
-        x[g.random(vocab) < 0.4] = -np.inf
-        x[g.integers(vocab)] = 0.5
-    elif kind == "huge":     # magnitudes float64 holds but float32 does not
-        x = x * (1e300 if dtype == np.float64 else 1e30)
-    elif kind == "flat":
-        x[:] = 1.25
-    elif kind == "ascending":  # the top-k heap's worst case: its quickselect fallback
-        x = np.sort(np.round(x, 1))
-    return x.astype(dtype)
-
-
-def _random_params(g, vocab):
-    return SamplingParams(
-        temperature=float(g.choice([0.0, 0.25, 0.8, 1.0, 1.7])),
-        top_k=int(g.choice([0, 1, 2, 40, vocab, vocab + 5])),
-        top_p=float(g.choice([1.0, 0.95, 0.9, 0.5, 0.05])),
-        min_p=float(g.choice([0.0, 0.05, 0.2, 1.0])),
-        repetition_penalty=float(g.choice([1.0, 1.1, 1.3, 0.9])),
-        presence_penalty=float(g.choice([0.0, 0.0, 0.4, -0.3])),
-        frequency_penalty=float(g.choice([0.0, 0.0, 0.25])),
-        penalty_last_n=int(g.choice([-1, 0, 1, 3, 64])))
-
-
+# ---------------------------------------------------------------- Sampler == the chain
+# ``sample`` is the chain of the numpy references (edgeinfer/sampling_steps.py);
+# test_sampling_kernels checks each of the Sampler's kernels against its reference.
 @pytest.mark.parametrize("vocab, cases", [(1, 40), (2, 80), (7, 300), (100, 200), (49152, 30)])
-def test_sampler_picks_the_reference_tokens(vocab, cases):
-    """Same ids as the numpy chain, for random logits (ties, -inf, huge values, float16 /
-    32 / 64), settings and seeds, over several steps whose ids feed the penalty window
-    (short windows make ids leave it). Each draw's support (ids and cumulative weights)
-    is bit-identical too, so no draw can differ, not only these ones."""
+def test_sampler_picks_the_reference_chains_tokens(vocab, cases):
+    """Same ids as the chain of references, for random logits (ties, -inf, huge values,
+    float16 / 32 / 64), settings and seeds, over several steps whose ids feed the penalty
+    window (short windows make ids leave it). Each draw's support (ids and cumulative
+    weights) is bit-identical too, so no draw can differ, not only these ones."""
+    from edgeinfer.sampling_steps import draw_support
     g = np.random.default_rng(vocab)
-    kinds = ["normal", "ties", "-inf", "huge", "flat", "ascending"]
     for case in range(cases):
         dtype = [np.float32, np.float64, np.float16][case % 3]
-        kind = kinds[case % len(kinds)] if dtype != np.float16 or case % 6 != 3 else "normal"
-        params = _random_params(g, vocab)
+        kind = KINDS[case % len(KINDS)]
+        params = random_params(g, vocab)
         history = g.integers(0, vocab, size=int(g.integers(0, 12))).tolist()
         seed = int(g.integers(2**32))
         ref_rng, rng = make_rng(seed), make_rng(seed)
         s = Sampler(vocab)
         s.start(params, history)
         for step in range(6):
-            logits = _random_logits(g, vocab, kind, dtype)
-            trace = []
-            want = _ref_sample(logits, params, ref_rng, history, trace)
+            logits = random_logits(g, vocab, kind, dtype)
+            try:
+                want = sample(logits, params, ref_rng, history)
+            except ValueError as e:  # (overflow of huge logits at a low temperature)
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    s.sample(logits, rng)
+                break
             assert s.sample(logits, rng) == want, (case, step, kind, params)
-            assert sample(logits, params, make_rng(seed + step), history) == \
-                _ref_sample(logits, params, make_rng(seed + step), history)
-            if trace:
-                idx, cdf = trace
-                np.testing.assert_array_equal(s._buf["idx"][:s._n], idx)
-                np.testing.assert_array_equal(s._buf["t"][:s._n], cdf)  # bitwise
+            if params.temperature > 0:
+                ids, cdf = s.support()
+                x = _chain_last_vector(logits, params, history)
+                want_ids, want_cdf = draw_support(x)
+                np.testing.assert_array_equal(ids, want_ids)
+                np.testing.assert_array_equal(bits(cdf), bits(want_cdf))
             history.append(want)
             s.accept(want)
         assert rng.bit_generator.state == ref_rng.bit_generator.state  # same draws
+
+
+def _chain_last_vector(logits, params, history):
+    """The vector the chain draws from (every step before ``draw``), for support checks."""
+    from edgeinfer import sampling_steps as ref
+    ids = ref.penalty_window(history, params.penalty_last_n, logits.size)
+    x = ref.apply_repetition_penalty(logits, ids, params.repetition_penalty)
+    x = ref.apply_presence_frequency_penalty(x, ids, params.presence_penalty,
+                                             params.frequency_penalty)
+    x = ref.apply_temperature(x, params.temperature)
+    return ref.min_p_filter(ref.top_p_filter(ref.top_k_filter(x, params.top_k), params.top_p),
+                            params.min_p)
 
 
 def test_sampler_reuse_across_streams_and_errors_match():
     g = np.random.default_rng(5)
     s = Sampler(50)
     for _ in range(30):  # one workspace, many streams with different settings
-        params = _random_params(g, 50)
+        params = random_params(g, 50)
         history = g.integers(0, 50, size=int(g.integers(0, 80))).tolist()
         s.start(params, history)
         logits = g.normal(size=50)
-        assert s.sample(logits, make_rng(1)) == _ref_sample(logits, params, make_rng(1), history)
+        assert s.sample(logits, make_rng(1)) == sample(logits, params, make_rng(1), history)
     pen = SamplingParams(repetition_penalty=1.2, penalty_last_n=-1)
-    for bad in ([0.0, math.nan], [0.0, math.inf], [-math.inf, -math.inf]):
-        with pytest.raises(ValueError):
-            _ref_sample(np.array(bad), pen, make_rng(0), [1])
+    for bad, needle in (([0.0, math.nan], "NaN"), ([0.0, math.inf], "NaN or \\+inf"),
+                        ([-math.inf, -math.inf], "-inf")):
+        with pytest.raises(ValueError, match=needle):
+            sample(np.array(bad), pen, make_rng(0), [1])
         s = Sampler(2)
         s.start(pen, [1])
-        with pytest.raises(ValueError, match="NaN" if not math.isinf(bad[1]) or bad[1] > 0
-                           else "-inf"):
+        with pytest.raises(ValueError, match=needle):
             s.sample(np.array(bad), make_rng(0))
     # penalties that push every finite logit to -inf: both refuse
     huge = np.array([-1e308, -1e308])
+    params = SamplingParams(repetition_penalty=2.0, penalty_last_n=-1)
+    with pytest.raises(ValueError, match="-inf"), np.errstate(all="ignore"):
+        sample(huge, params, make_rng(0), [0, 1])
+    s.start(params, [0, 1])
     with pytest.raises(ValueError, match="-inf"):
-        s.start(SamplingParams(repetition_penalty=2.0, penalty_last_n=-1), [0, 1])
         s.sample(huge, make_rng(0))
     with pytest.raises(ValueError, match="0, 2"):
         s.accept(2)
@@ -373,43 +336,13 @@ def test_sampler_reuse_across_streams_and_errors_match():
 
 
 def test_overflow_after_temperature_raises_a_clear_error():
-    """A deliberate change: float64 logits near 1e308 divided by a temperature < 1
-    overflow to +inf; the numpy chain then crashed (IndexError) or drew from NaNs."""
+    """float64 logits near 1e308 divided by a temperature < 1 overflow to +inf: both the
+    chain and the Sampler refuse with the same message (not an IndexError, not NaNs)."""
     logits = np.array([1.7e308, 1.0, 0.0])
     params = SamplingParams(temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)
-    with pytest.raises(IndexError), np.errstate(all="ignore"):
-        _ref_sample(logits, params, make_rng(0))
-    with pytest.raises(ValueError, match="overflow"):
+    with pytest.raises(ValueError, match="overflow"), np.errstate(all="ignore"):
         sample(logits, params, make_rng(0))
-
-
-def test_kth_largest_quickselect_matches_partition():
-    from edgeinfer._sampling_kernels import _kth_largest
-    g = np.random.default_rng(9)
-    for _ in range(400):
-        n = int(g.integers(1, 300))
-        a = np.round(g.normal(size=n) * g.choice([0.3, 5.0]))  # many ties
-        a[g.random(n) < 0.2] = -np.inf
-        if g.random() < 0.3:
-            a = np.sort(a)[::-1 if g.random() < 0.5 else 1].copy()
-        k = int(g.integers(1, n + 1))
-        assert _kth_largest(a.copy(), k) == np.partition(a, n - k)[n - k]
-
-
-@pytest.mark.parametrize("order", ["ascending", "descending", "organ"])
-def test_sampler_top_k_adversarial_orders(order):
-    """Ascending logits make every id replace the heap's minimum (the quickselect
-    fallback runs); descending and organ-pipe ones stress the heap's early exits."""
-    g = np.random.default_rng(1)
-    x = np.sort(np.round(g.normal(size=49152) * 3, 2))
-    x = {"ascending": x, "descending": x[::-1].copy(),
-         "organ": np.concatenate([x[::2], x[1::2][::-1]])}[order]
-    for k in (1, 40, 1000):
-        params = SamplingParams(temperature=0.7, top_k=k, top_p=1.0, min_p=0.0)
-        s = Sampler(x.size)
-        s.start(params)
-        for seed in range(3):
-            trace = []
-            assert s.sample(x, make_rng(seed)) == _ref_sample(x, params, make_rng(seed),
-                                                              trace=trace)
-            np.testing.assert_array_equal(s._buf["idx"][:s._n], trace[0])
+    s = Sampler(3)
+    s.start(params)
+    with pytest.raises(ValueError, match="overflow"):
+        s.sample(logits, make_rng(0))

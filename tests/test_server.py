@@ -295,17 +295,18 @@ def test_request_abandoned_while_queued_never_runs(server, client):
 
 
 # ---- sampling defaults: the model's, not OpenAI's temperature 1 --------------------------------
-def test_sampling_defaults_come_from_the_generation_config():
-    from edgeinfer.api import FALLBACK_SAMPLING, sampling_defaults
+def test_a_request_without_model_defaults_gets_the_sampler_defaults():
+    """parse_common with no model defaults fills omitted fields from
+    edgeinfer.sampling.DEFAULTS (llama.cpp's), not OpenAI's temperature 1; given model
+    defaults win over them, and a request's own value over both."""
+    from edgeinfer.sampling import DEFAULTS
+    from edgeinfer.server_requests import parse_common
 
-    assert sampling_defaults({}) == FALLBACK_SAMPLING == {
-        "temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0}
-    got = sampling_defaults({"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2]})
-    assert got == {**FALLBACK_SAMPLING, "temperature": 0.2, "top_p": 0.9}
-    assert sampling_defaults({"do_sample": False, "temperature": 0.6})["temperature"] == 0.0
-    # a value the sampler refuses is ignored, not fatal
-    assert sampling_defaults({"temperature": -1, "top_k": 20})["temperature"] == 0.8
-    assert sampling_defaults({"temperature": -1, "top_k": 20})["top_k"] == 20
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty", "seed")
+    assert parse_common({}, NAME).sampling == {f: getattr(DEFAULTS, f) for f in fields}
+    got = parse_common({"top_p": 0.5}, NAME, {"temperature": 0.2, "top_p": 0.9}).sampling
+    assert (got["temperature"], got["top_p"], got["top_k"]) == (0.2, 0.5, DEFAULTS.top_k)
 
 
 def test_omitted_temperature_uses_the_fallback_defaults(client):
