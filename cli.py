@@ -214,7 +214,8 @@ def cmd_convert(args) -> int:
     report = convert(str(src), args.output, method=args.method, bits=args.bits,
                      group_size=args.group_size, symmetric=args.symmetric,
                      embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
-                     seed=args.seed, act_order=args.act_order, progress=not args.quiet)
+                     seed=args.seed, act_order=args.act_order, progress=not args.quiet,
+                     overwrite=args.force)
     if args.json:
         print(json.dumps(report, default=str))
     else:
@@ -398,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file")
     s.add_argument("model", help="HF folder, .gguf file or catalog name")
-    s.add_argument("--output", "-o", required=True)
+    s.add_argument("--output", "-o", required=True,
+                   help="the .eif file to write (an existing one only with --force; never the input)")
+    s.add_argument("--force", "-f", action="store_true",
+                   help="replace an existing --output file")
     s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=128,
