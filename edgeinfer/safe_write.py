@@ -102,7 +102,11 @@ def check_output(path: str | os.PathLike, *, overwrite: bool = False,
     try:
         st = os.stat(target)
     except FileNotFoundError:
-        return target  # absent (or a dangling symlink, which a rename replaces)
+        if os.path.islink(target) and not overwrite:  # a dangling symbolic link
+            raise OutputError(f"{path} already exists (a symbolic link to a missing file); "
+                              f"{_force_hint(what)}", errno=_errno.EEXIST,
+                              filename=str(target)) from None
+        return target  # absent, or a dangling link that --force replaces (not its target)
     except OSError as e:
         raise OutputError(f"{path}: cannot check the output ({e.strerror}); choose another {what}",
                           errno=e.errno, filename=str(target)) from None

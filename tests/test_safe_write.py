@@ -87,6 +87,11 @@ def test_target_that_is_a_folder_or_not_a_regular_file(tmp_path):
     with pytest.raises(OutputError, match="no such folder"):
         write(tmp_path / "absent" / "m.eif")
     assert os.listdir(tmp_path) == []
+    os.symlink(tmp_path / "gone.eif", tmp_path / "dangling.eif")
+    with pytest.raises(OutputError, match="a symbolic link to a missing file.*--force"):
+        write(tmp_path / "dangling.eif")
+    write(tmp_path / "dangling.eif", overwrite=True)  # the link is replaced, not followed
+    assert not os.path.islink(tmp_path / "dangling.eif") and not (tmp_path / "gone.eif").exists()
 
 
 # ---- never over the input -----------------------------------------------------------------
