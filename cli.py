@@ -214,7 +214,8 @@ def cmd_convert(args) -> int:
     report = convert(str(src), args.output, method=args.method, bits=args.bits,
                      group_size=args.group_size, symmetric=args.symmetric,
                      embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
-                     seed=args.seed, act_order=args.act_order, progress=not args.quiet)
+                     seed=args.seed, act_order=args.act_order, progress=not args.quiet,
+                     overwrite=args.force)
     if args.json:
         print(json.dumps(report, default=str))
     else:
@@ -341,13 +342,34 @@ def _port(text: str) -> int:
     return port
 
 
+def _size(text: str) -> int:
+    from edgeinfer.server_limits import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
 def cmd_serve(args) -> int:
     try:
-        from edgeinfer.server import default_model_name, serve
+        from edgeinfer.server import ServerLimits, default_model_name, serve
     except ImportError as e:
         print(f"error: `edgeinfer serve` needs the serve extra: pip install 'edgeinfer[serve]' "
               f"({e.name} is missing)", file=sys.stderr)
         return 1
+    limits = ServerLimits(max_body=args.max_body, header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout)
     model = _load(args)
     # a catalog name is a nicer id than the cached file's name; a path gives its stem
     name = args.model_name or (default_model_name(model) if os.path.exists(args.model)
@@ -355,7 +377,7 @@ def cmd_serve(args) -> int:
     key_note = " (API key required)" if args.api_key else ""
     serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
           log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
-          access_log=not args.quiet,
+          access_log=not args.quiet, limits=limits,
           on_listening=lambda url: print(f"serving {name} ({model.backend.name} backend) at "
                                          f"{url}{key_note}; Ctrl-C stops", file=sys.stderr))
     return 0
@@ -398,7 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file")
     s.add_argument("model", help="HF folder, .gguf file or catalog name")
-    s.add_argument("--output", "-o", required=True)
+    s.add_argument("--output", "-o", required=True,
+                   help="the .eif file to write (an existing one only with --force; never the input)")
+    s.add_argument("--force", "-f", action="store_true",
+                   help="replace an existing --output file")
     s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=128,
@@ -456,6 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "a request's own max_tokens always applies)")
     s.add_argument("--quiet", "-q", action="store_true",
                    help="no log line per request on stderr (method, path, status, tokens, seconds)")
+    s.add_argument("--max-body", type=_size, default="4M", metavar="SIZE",
+                   help="largest request body accepted, e.g. 4M, 512K (default 4M); larger: 413")
+    s.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a client has to send the request line and headers "
+                        "(default 10); slower: 408")
+    s.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds a client has to send the request body after its headers "
+                        "(default 30); slower: 408")
     s.set_defaults(func=cmd_serve)
     return p
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import CatalogError
+from .safe_write import sweep_stale_temp_files
 
 __all__ = [
     "CATALOG",
@@ -333,18 +334,6 @@ class _FileLock:
         return False
 
 
-def _remove_stale_temp_files(folder: Path, older_than_s: float = 600.0) -> None:
-    """Delete ``.eif-*.tmp`` files a killed conversion left (an interrupted one removes its
-    own); called with the lock held, so none of them is being written by a prepare."""
-    now = time.time()
-    for tmp in folder.glob(".eif-*.tmp"):
-        try:
-            if now - tmp.stat().st_mtime > older_than_s:
-                tmp.unlink()
-        except OSError:
-            pass
-
-
 def prepare(name: str, converter: Callable[..., dict], *,
             cache_dir: str | os.PathLike | None = None, progress: bool = True,
             notify: Callable[[str], None] | None = None) -> Path:
@@ -395,7 +384,7 @@ def prepare(name: str, converter: Callable[..., dict], *,
     with _FileLock(dest.with_name(dest.name + ".lock")):
         if dest.exists():  # another process converted it while we waited
             return dest
-        _remove_stale_temp_files(dest.parent)
+        sweep_stale_temp_files(dest.parent)  # what killed conversions left
         opts = PREPARE_OPTIONS
         say(f"first run: converting {name} to INT4 ({opts['method'].upper()}, group "
             f"{opts['group_size']}, {opts['embed_bits']}-bit embeddings), about "

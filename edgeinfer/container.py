@@ -21,9 +21,9 @@ Metadata (every value a string; the structured ones are JSON):
 
 Reading maps the file once (``mmap``) and builds every array with ``np.frombuffer`` at the
 header's offsets: no copy of the data at load (the CPU backend relies on it), and the
-arrays are read-only. Writing goes to a temporary file in the destination folder that is
-renamed over the target (``os.replace``) only when complete: an interrupted write never
-leaves half a file.
+arrays are read-only. Writing goes through :mod:`edgeinfer.safe_write`: a temporary file in
+the destination folder, renamed into place only when complete (an interrupted write never
+leaves half a file); an existing target is replaced only with ``overwrite``, an input never.
 """
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ import numpy as np
 from .backends.quantized import QuantizedTensor
 from .errors import ModelFormatError
 from .models.config import ConfigError, ModelConfig
+from .safe_write import atomic_output
 from .source import ModelSource
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,10 @@ def write_eif(path: str | os.PathLike, config: ModelConfig, tensors: Mapping[str
               tokenizer_json: str, chat_template: str | None = None,
               bos_token: str | None = None, eos_token: str | None = None,
               add_bos_token: bool = False, generation: dict | None = None,
-              provenance: dict | None = None) -> int:
-    """Write a model to ``path`` atomically (temp file in the same folder + ``os.replace``).
+              provenance: dict | None = None, overwrite: bool = False,
+              inputs: Iterable[str | os.PathLike | None] = ()) -> int:
+    """Write a model to ``path`` atomically (:func:`edgeinfer.safe_write.atomic_output`:
+    a temporary file in the same folder, renamed when complete).
 
     Args:
         path: destination ``.eif`` file.
@@ -72,13 +74,17 @@ def write_eif(path: str | os.PathLike, config: ModelConfig, tensors: Mapping[str
         generation: generation_config values (JSON-serializable).
         provenance: free-form JSON-serializable facts (source, sha256, method ...);
             ``date`` and ``edgeinfer_version`` are added if absent.
+        overwrite: replace an existing ``path`` (else it is refused).
+        inputs: files or folders the model was read from: never written over.
 
     Returns:
         The size of the written file in bytes.
 
     Raises:
         ValueError: a tensor dtype the format does not store, or a name that collides
-            with a quantized tensor's parts.
+            with a quantized tensor's parts (nothing is written).
+        OutputError: ``path`` exists (without ``overwrite``), is an input or a folder; no
+            space, a read-only or unwritable folder (no file is left behind).
     """
     from . import __version__
 
@@ -116,31 +122,16 @@ def write_eif(path: str | os.PathLike, config: ModelConfig, tensors: Mapping[str
         "generation": json.dumps(generation or {}),
         "provenance": json.dumps(prov, default=str),
     }
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".eif-", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        _write_safetensors(tmp, arrays, meta)
-        um = os.umask(0)
-        os.umask(um)
-        os.chmod(tmp, 0o666 & ~um)  # mkstemp makes 0600; a model file is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    blob = _safetensors_header(arrays, meta)
+    size = len(blob) + sum(a.nbytes for a in arrays.values())
+    with atomic_output(path, overwrite=overwrite, inputs=inputs, size=size) as tmp:
+        _write_safetensors(tmp, blob, arrays)
     return os.path.getsize(path)
 
 
-def _write_safetensors(path: str, arrays: dict[str, np.ndarray], meta: dict[str, str]) -> None:
-    """Write the safetensors layout tensor by tensor: 8-byte little-endian header length,
-    the JSON header (``__metadata__`` + name -> dtype/shape/data_offsets, padded with
-    spaces to 8 bytes), then the raw data in header order.
-
-    Unlike ``safetensors.numpy.save_file``, which builds the whole file in memory first,
-    this streams each array to disk, so writing a model costs no second copy of it
-    (Qwen2.5-0.5B: peak RSS of ``convert`` 2.4 GB -> about 1 GB)."""
+def _safetensors_header(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
+    """The 8-byte little-endian header length and the JSON header (``__metadata__`` +
+    name -> dtype/shape/data_offsets, padded with spaces to 8 bytes), data in dict order."""
     header: dict = {"__metadata__": meta}
     offset = 0
     for name, a in arrays.items():
@@ -149,9 +140,17 @@ def _write_safetensors(path: str, arrays: dict[str, np.ndarray], meta: dict[str,
         offset += a.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def _write_safetensors(path: str, header: bytes, arrays: dict[str, np.ndarray]) -> None:
+    """Write the header, then the raw data of each array in order, tensor by tensor.
+
+    Unlike ``safetensors.numpy.save_file``, which builds the whole file in memory first,
+    this streams each array to disk, so writing a model costs no second copy of it
+    (Qwen2.5-0.5B: peak RSS of ``convert`` 2.4 GB -> about 1 GB)."""
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+        f.write(header)
         for a in arrays.values():
             f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
 

@@ -32,5 +32,19 @@ class CatalogError(EdgeInferError, RuntimeError):
     """A catalog model could not be fetched or verified."""
 
 
+class OutputError(EdgeInferError, OSError):
+    """An output file cannot be written: it exists (no ``--force``), it is an input, a
+    folder or not a regular file, or the folder is missing, read-only or full. ``errno``
+    and ``filename`` are set as on the ``OSError`` behind it, where there is one."""
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None):
+        super().__init__(message)
+        self.errno = errno
+        self.filename = filename
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class BackendUnavailableError(EdgeInferError, _BackendUnavailable):
     """The requested backend or device cannot be used on this machine."""

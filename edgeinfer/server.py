@@ -35,10 +35,17 @@ Policy (documented for users):
   unless ``access_log=False``; ``edgeinfer serve --quiet``).
 * Bad requests get a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
   unexpected failures a 500 with the same shape and no traceback (it goes to the log).
+* Hostile clients are bounded (:mod:`.server_limits`): request bodies at most 4 MiB
+  (``--max-body``; 413), the request head within 10 s (``--header-timeout``) and the body
+  within 30 s (``--body-timeout``) or 408, JSON at most 64 levels deep. ``max_tokens``
+  beyond the context is cut to the context.
+* SIGTERM or Ctrl-C stops the server within about 2 s plus one decode step: open requests
+  get 2 s to finish, then are cancelled (their generations stop between decode steps).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -56,6 +63,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import ContextOverflowError, EdgeInferError
+from .server_limits import BodyLimit, ServerLimits, bounded_h11_protocol
 from .server_requests import (
     APIError,
     GenRequest,
@@ -76,8 +84,8 @@ from .server_stream import (
     wait_disconnect,
 )
 
-__all__ = ["APIError", "ServeError", "ServerCounters", "create_app", "default_model_name",
-           "serve"]
+__all__ = ["APIError", "ServeError", "ServerCounters", "ServerLimits", "create_app",
+           "default_model_name", "serve", "uvicorn_config"]
 
 log = logging.getLogger("edgeinfer.server")
 access_log = logging.getLogger("edgeinfer.server.access")
@@ -121,8 +129,10 @@ class _Server:
     """The state behind one app: the model, its FIFO gate, counters."""
 
     def __init__(self, model, model_name: str, api_key: str | None,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, limits: ServerLimits | None = None):
         self.model = model
+        self.limits = limits or ServerLimits()
+        self.live: set[Generation] = set()  # started, not finished (cancelled at shutdown)
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name
         self.api_key = api_key
@@ -139,8 +149,10 @@ class _Server:
         self.counters = ServerCounters()
 
     # ---- plumbing --------------------------------------------------------------------
-    def _on_done(self, loop: asyncio.AbstractEventLoop, finish: str | None) -> None:
+    def _on_done(self, loop: asyncio.AbstractEventLoop, gen: Generation,
+                 finish: str | None) -> None:
         with self.counters.lock:
+            self.live.discard(gen)
             self.counters.active -= 1
             if finish == "cancelled":
                 self.counters.cancelled += 1
@@ -166,11 +178,13 @@ class _Server:
         with self.counters.lock:  # before the thread exists: its on_done may run at once
             self.counters.started += 1
             self.counters.active += 1
+            self.live.add(gen)
         try:
             gen.start()  # no await between acquire and start: the gate cannot leak
         except BaseException:
             with self.counters.lock:
                 self.counters.active -= 1
+                self.live.discard(gen)
             self.gate.release()
             raise
 
@@ -182,9 +196,19 @@ class _Server:
                            param=param, code="context_length_exceeded")
         if req.max_tokens is None and self.default_max_tokens is not None:
             req.max_tokens = self.default_max_tokens  # else: up to the end of the context
+        if req.max_tokens is not None:  # the context ends generation anyway ("length")
+            req.max_tokens = min(req.max_tokens, self.model.n_ctx - len(ids))
         loop = asyncio.get_running_loop()
-        return Generation(self.model, ids, req, loop,
-                           on_done=lambda finish: self._on_done(loop, finish))
+        gen = Generation(self.model, ids, req, loop,
+                         on_done=lambda finish: self._on_done(loop, gen, finish))
+        return gen
+
+    def cancel_all(self) -> None:
+        """Cancel every running generation (server shutdown): each stops within a decode step."""
+        with self.counters.lock:
+            running = list(self.live)
+        for gen in running:
+            gen.cancel.set()
 
     async def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
         try:
@@ -217,7 +241,7 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         created = int(time.time())  # when the request arrived, not when it is answered
         check_auth(request, self.api_key)
-        body = await read_json(request)
+        body = await read_json(request, self.limits.max_json_depth)
         req = parse_common(body, self.model_name, self.sampling_defaults)
         messages = get_messages(body)
         ids = await self._encode(lambda: self.model.encode_chat(messages), "messages")
@@ -226,7 +250,7 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         created = int(time.time())
         check_auth(request, self.api_key)
-        body = await read_json(request)
+        body = await read_json(request, self.limits.max_json_depth)
         req = parse_common(body, self.model_name, self.sampling_defaults)
         prompt = get_prompt(body)
         if isinstance(prompt, str):
@@ -262,6 +286,10 @@ class _Server:
         watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # uvicorn cancels what outlives the shutdown grace period: answer, not a traceback
+            return APIError(503, "the server is shutting down; retry the request later",
+                            type="server_error", code="server_shutting_down").response()
         finally:
             if not work.done():  # the client left (or this task was cancelled)
                 gen.cancel.set()
@@ -352,7 +380,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(model, model_name: str, api_key: str | None = None,
-               default_max_tokens: int | None = None) -> Starlette:
+               default_max_tokens: int | None = None,
+               limits: ServerLimits | None = None) -> Starlette:
     """Build the ASGI app serving ``model`` under the OpenAI API.
 
     Args:
@@ -361,6 +390,9 @@ def create_app(model, model_name: str, api_key: str | None = None,
         api_key: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``.
         default_max_tokens: tokens generated at most for a request that gives no
             ``max_tokens`` (None: up to the end of the context, OpenAI's semantics).
+        limits: request bounds (:class:`ServerLimits`; default: its defaults). The body
+            size and time are enforced by the app; the head timeout needs the protocol of
+            :func:`uvicorn_config`.
 
     Returns:
         A Starlette app; ``app.state.counters`` (:class:`ServerCounters`) counts finished
@@ -375,7 +407,7 @@ def create_app(model, model_name: str, api_key: str | None = None,
         raise ValueError("model_name must be a non-empty string")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None (no authentication) or a non-empty string")
-    srv = _Server(model, model_name, api_key, default_max_tokens)
+    srv = _Server(model, model_name, api_key, default_max_tokens, limits)
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
@@ -383,9 +415,18 @@ def create_app(model, model_name: str, api_key: str | None = None,
         Route("/v1/chat/completions", srv.chat_completions, methods=["POST"]),
         Route("/v1/completions", srv.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(_AccessLog)], exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, Exception: _server_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        srv.cancel_all()  # shutdown: requests still running were cancelled or are cut now
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(_AccessLog), Middleware(BodyLimit, limits=srv.limits)],
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                        Exception: _server_error})
     app.state.counters = srv.counters
+    app.state.limits = srv.limits
+    app.state.cancel_all = srv.cancel_all
     app.state.model_name = model_name
     return app
 
@@ -435,10 +476,27 @@ def _setup_access_log(enabled: bool) -> None:
         access_log.addHandler(handler)
 
 
+#: Seconds open requests get to finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 2
+
+
+def uvicorn_config(app: Starlette, limits: ServerLimits | None = None, log_level: str = "info"):
+    """The ``uvicorn.Config`` :func:`serve` runs ``app`` with: the h11 protocol bounded by
+    ``limits`` (request-head deadline, discarding refused bodies), idle keep-alive 5 s, and
+    :data:`GRACEFUL_SHUTDOWN_S` for open requests at shutdown (then cancelled, so a
+    stream's generation stops instead of running on to ``max_tokens``)."""
+    import uvicorn
+
+    limits = limits or getattr(app.state, "limits", None) or ServerLimits()
+    return uvicorn.Config(app, log_level=log_level, http=bounded_h11_protocol(limits),
+                          timeout_keep_alive=5, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
 def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
-          default_max_tokens: int | None = None, access_log: bool = True) -> None:
+          default_max_tokens: int | None = None, access_log: bool = True,
+          limits: ServerLimits | None = None) -> None:
     """Serve ``model`` over HTTP until interrupted (blocks; Ctrl-C stops it).
 
     Args:
@@ -452,6 +510,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
             is bound, before the first request is accepted (the CLI prints it).
         default_max_tokens: cap for requests without ``max_tokens`` (None: the context).
         access_log: print one line per request on stderr (see the module policy).
+        limits: request bounds (:class:`ServerLimits`: body size, head/body timeouts,
+            JSON depth); default: its defaults.
 
     Raises:
         ValueError: a port out of range, or an empty ``model_name``/``api_key``.
@@ -462,7 +522,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     name = model_name or default_model_name(model)
-    app = create_app(model, name, api_key, default_max_tokens)
+    limits = limits or ServerLimits()
+    app = create_app(model, name, api_key, default_max_tokens, limits)
     _setup_access_log(access_log)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use "
@@ -471,10 +532,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
     if on_listening is not None:
         shown = f"[{host}]" if ":" in host else host
         on_listening(f"http://{shown}:{sock.getsockname()[1]}/v1")
-    # A short graceful-shutdown timeout: on Ctrl-C open streams are cut (and so their
-    # generations cancelled) instead of running on to max_tokens.
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(uvicorn_config(app, limits, log_level)).run(sockets=[sock])
     finally:
+        app.state.cancel_all()
         sock.close()

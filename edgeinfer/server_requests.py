@@ -5,12 +5,20 @@ Every rejection is an :class:`APIError` rendered as an OpenAI-style body
 checked by hand so each message names the offending field). :func:`parse_common` turns
 the fields both endpoints share into a :class:`GenRequest`, filling omitted sampling
 fields from the served model's defaults (:func:`edgeinfer.sampling.sampling_defaults`).
+
+Hostile bodies: :func:`parse_json` is the one parse (strict UTF-8, nesting and number
+length bounded before ``json`` sees the text, no NaN/Infinity, no duplicate keys); the
+getters are the one schema check (types, ranges: integers fit in 64 bits, text is valid
+Unicode). Every refusal is a 400 naming the field; nothing reaches the engine unchecked.
 """
 from __future__ import annotations
 
 import hmac
 import json
+import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -18,6 +26,9 @@ from starlette.responses import JSONResponse
 from .sampling import SamplingParams, sampling_defaults
 
 MAX_STOP_STRINGS = 16
+MAX_JSON_DEPTH = 64
+MAX_NUMBER_DIGITS = 100
+INT64_MAX = 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -68,25 +79,42 @@ def get_number(body: dict, name: str, default: float, lo: float, hi: float,
     return float(v)
 
 
-def get_int(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
-    """``body[name]`` as an int >= ``lo``; null or absent = default. Floats are refused."""
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None,
+            hi: int = INT64_MAX, param: str | None = None) -> int | None:
+    """``body[name]`` as an int in [lo, hi]; null or absent = default. Floats are refused."""
+    param = param or name
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise invalid(name, f"'{name}' must be an integer, got {type(v).__name__}", "invalid_type")
+        raise invalid(param, f"'{param}' must be an integer, got {type(v).__name__}", "invalid_type")
     if lo is not None and v < lo:
-        raise invalid(name, f"'{name}' must be >= {lo}, got {v}")
+        raise invalid(param, f"'{param}' must be >= {lo}, got {v}")
+    if v > hi:
+        raise invalid(param, f"'{param}' must be <= {hi}, got a {len(str(v))}-digit number")
     return v
 
 
-def get_bool(body: dict, name: str, default: bool) -> bool:
+def get_bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    param = param or name
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(name, f"'{name}' must be a boolean, got {type(v).__name__}", "invalid_type")
+        raise invalid(param, f"'{param}' must be a boolean, got {type(v).__name__}", "invalid_type")
     return v
+
+
+def check_text(text: str, param: str) -> str:
+    """``text`` itself, refused when it holds an unpaired UTF-16 surrogate (a JSON
+    ``\\ud800`` escape alone): not Unicode text, which no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(param, f"{param} holds an unpaired UTF-16 surrogate "
+                      f"(\\u{ord(text[e.start]):04x} at character {e.start}); send valid "
+                      f"Unicode text") from None
+    return text
 
 
 def get_stop(body: dict) -> list[str]:
@@ -100,7 +128,7 @@ def get_stop(body: dict) -> list[str]:
         raise invalid("stop", "'stop' must be a string or a list of strings", "invalid_type")
     if len(v) > MAX_STOP_STRINGS:
         raise invalid("stop", f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(v)}")
-    return [s for s in v if s]
+    return [check_text(s, "stop") for s in v if s]
 
 
 def get_messages(body: dict) -> list[dict]:
@@ -129,11 +157,13 @@ def get_messages(body: dict) -> list[dict]:
                         or not isinstance(part.get("text"), str):
                     raise invalid(f"{p}.content[{j}]", f"{p}.content[{j}]: only text parts "
                                    "({'type': 'text', 'text': ...}) are supported")
-                texts.append(part["text"])
+                texts.append(check_text(part["text"], f"{p}.content[{j}].text"))
             content = "".join(texts)
         elif not isinstance(content, str):
             raise invalid(f"{p}.content", f"{p}.content must be a string or a list of text parts",
                            "invalid_type")
+        else:
+            check_text(content, f"{p}.content")
         # OpenAI's "developer" role is the system prompt of newer models; templates know "system"
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
@@ -147,9 +177,9 @@ def get_prompt(body: dict) -> str | list[int]:
     if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
         v = v[0]  # a batch of one
     if isinstance(v, str):
-        return v
+        return check_text(v, "prompt")
     if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        return v
+        return v  # the ids are checked against the vocabulary by the server
     raise invalid("prompt", "'prompt' must be a string or a list of token ids "
                    "(batches of several prompts are not supported)")
 
@@ -200,7 +230,8 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
-    include_usage = bool(stream and opts and get_bool(opts, "include_usage", False))
+    include_usage = bool(opts and get_bool(opts, "include_usage", False,
+                                            param="stream_options.include_usage") and stream)
     d = {**sampling_defaults(None), **(defaults or {})}
     sampling = dict(
         temperature=get_number(body, "temperature", d["temperature"], 0.0, 2.0),
@@ -212,7 +243,7 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
                                       0.0, 10.0, lo_open=True),
         presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        seed=get_int(body, "seed", None, lo=0),
+        seed=get_int(body, "seed", None, lo=0, hi=2**64 - 1),
     )
     try:  # the sampler's own checks, so that nothing fails later on the worker thread
         SamplingParams(**sampling)
@@ -238,12 +269,70 @@ def check_auth(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
-async def read_json(request: Request) -> dict:
-    raw = await request.body()
+# ---- the body ------------------------------------------------------------------------------
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_LONG_NUMBER = re.compile(rb"\d{%d,}" % (MAX_NUMBER_DIGITS + 1))
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _json_depth(skeleton: bytes) -> int:
+    """Deepest bracket nesting of JSON text whose strings were removed (O(n), no recursion)."""
+    brackets = np.frombuffer(skeleton.translate(None, _NOT_BRACKETS), np.uint8)
+    if not brackets.size:
+        return 0
+    step = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(step).max())
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise _Refused(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Refused(f"the key {dup!r} appears twice in one object")
+    return obj
+
+
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """A request body (bytes) as a JSON object, in time and memory linear in its size.
+
+    Refused (APIError 400, code ``invalid_json``): bytes that are not UTF-8, nesting deeper
+    than ``max_depth``, a number of more than :data:`MAX_NUMBER_DIGITS` digits, ``NaN`` /
+    ``Infinity`` literals, a key twice in one object, invalid JSON, a non-object.
+    """
+    def refuse(why: str) -> APIError:
+        return APIError(400, f"The request body {why}", code="invalid_json")
+
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise refuse(f"is not valid UTF-8 (byte {e.start}); send JSON encoded as UTF-8") from None
+    skeleton = _JSON_STRING.sub(b'""', raw)  # strings out: their brackets and digits are text
+    depth = _json_depth(skeleton)
+    if depth > max_depth:
+        raise refuse(f"nests {depth} levels deep; at most {max_depth} are accepted")
+    if _LONG_NUMBER.search(skeleton):
+        raise refuse(f"holds a number of more than {MAX_NUMBER_DIGITS} digits")
+    try:
+        body = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except _Refused as e:
+        raise refuse(f"is refused: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise refuse(f"is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+        raise refuse(f"must be a JSON object, got {type(body).__name__ if body is not None else 'null'}")
     return body
+
+
+async def read_json(request: Request, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """The request's JSON object (the body's size and arrival time are bounded upstream,
+    :class:`edgeinfer.server_limits.BodyLimit`); see :func:`parse_json`."""
+    return parse_json(await request.body(), max_depth)

@@ -27,6 +27,7 @@ import numpy as np
 from ..backends.quantized import QuantizedTensor
 from ..container import write_eif
 from ..errors import ModelFormatError
+from ..safe_write import check_output
 from ..source import ModelSource
 from .calibrate import calibration_ids, check_finite, quantize_layers
 from .rtn import quantize_rtn
@@ -85,13 +86,14 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             group_size: int = 128, symmetric: bool = False, embed_bits: int = 8,
             calib_path: str | None = None, n_calib: int | None = None,
             calib_len: int | None = None, seed: int = 0, act_order: bool = False,
-            n_search: int = 2048, progress: bool = True) -> dict:
+            n_search: int = 2048, progress: bool = True, overwrite: bool = False) -> dict:
     """Quantize a model and write it as one self-contained ``.eif`` file.
 
     Args:
         src: HF folder / GGUF path (read through ``edgeinfer.readers.read_model``) or a
             ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
-        out_path: destination file (written to a temp file, then renamed).
+        out_path: destination file (written to a temp file, then renamed); checked before
+            any work: an existing file is refused unless ``overwrite``, an input always.
         method: "awq" (default), "gptq" or "rtn" (no calibration).
         bits: linear weight bits (4).
         group_size: 32 / 64 / 128 (default) or -1 per-channel; an input width it does not
@@ -106,6 +108,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         act_order: GPTQ column order by activation (resolved at convert time, :mod:`.gptq`).
         n_search: AWQ token sample for its searches.
         progress: tqdm bar over layers (with ETA) on stderr.
+        overwrite: replace an existing ``out_path`` (the CLI's ``--force``).
 
     Returns:
         report dict: out_path, method, bits, group_size, file_size, bits_per_weight (all
@@ -116,6 +119,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         ModelFormatError: unreadable source, non-finite weights (the tensor is named), an
             untied model without ``lm_head.weight``.
         ValueError: bad options.
+        OutputError: ``out_path`` exists (without ``overwrite``), is the source (a GGUF,
+            a file of the HF folder, the calibration text; also through a link) or a
+            folder; no space, a read-only or unwritable folder. Nothing is left behind.
     """
     if bits != 4:
         raise ValueError(f"only 4-bit linear weights are supported by the converter, got {bits}")
@@ -123,6 +129,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
     t0 = time.perf_counter()
     source = _open(src)
+    inputs = [str(source.path), calib_path]
+    check_output(out_path, overwrite=overwrite, inputs=inputs)  # before minutes of work
     cfg = source.config
     if not cfg.tie_word_embeddings and "lm_head.weight" not in source.tensors:
         raise ModelFormatError(
@@ -175,7 +183,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     size = write_eif(out_path, cfg, tensors, tokenizer_json=source.tokenizer_json,
                      chat_template=source.chat_template, bos_token=source.bos_token,
                      eos_token=source.eos_token, add_bos_token=source.add_bos_token,
-                     generation=source.generation, provenance=provenance)
+                     generation=source.generation, provenance=provenance,
+                     overwrite=overwrite, inputs=inputs)
     n_params = sum((t.out_features * t.in_features) if isinstance(t, QuantizedTensor) else t.size
                    for t in tensors.values())
     n_bytes = sum(t.nbytes for t in tensors.values())  # tensors only (no tokenizer/metadata)

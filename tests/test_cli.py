@@ -184,13 +184,14 @@ def test_convert_perplexity_bench_quiet_json_and_progress(stories_dir, tmp_path)
     rep = json.loads(r.stdout)
     assert rep["out_path"] == str(out) and rep["file_size"] == out.stat().st_size
     assert rep["method"] == "rtn" and rep["group_size"] == 32
-    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "--group-size", "32")
+    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "--group-size", "32",
+                "--force")  # the file exists now: replaced only with --force
     assert r.returncode == 0 and "rtn layers" in r.stderr  # the progress bar
     assert re.fullmatch(r"wrote .*s\.eif: [\d.]+ MiB, [\d.]+ bits/weight in all, linear layers "
                         r"4\.\d\d-4\.\d\d \(rtn, group 32\) in [\d.]+ s, peak RSS \d+ MiB\n",
                         r.stdout), r.stdout
     # the group rule is reported: stories260K's 64-wide rows take 64, its 172-wide 128 (padded)
-    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "-q")
+    r = run_cli("convert", str(stories_dir), "-o", str(out), "--method", "rtn", "-q", "--force")
     assert "(rtn, group 128, 64 where 128 does not divide the row)" in r.stdout, r.stdout
 
     text = tmp_path / "t.txt"

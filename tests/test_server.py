@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from edgeinfer.server import create_app  # noqa: E402  (after the skips)
+from edgeinfer.server import create_app, uvicorn_config  # noqa: E402  (after the skips)
 
 KEY = "sk-edgeinfer-test"
 NAME = "stories260K"
@@ -48,8 +48,9 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
+        config = uvicorn_config(app, log_level="warning")  # serve()'s: the bounded protocol
+        config.timeout_graceful_shutdown = 1
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 
