@@ -2,8 +2,8 @@
 
 Llama, SmolLM2, Mistral, Qwen2 and Gemma3 differ only in config switches (QKV bias,
 QK-norm, sandwich norms, (1 + w) RMSNorm, GELU-tanh gating, embedding scale, per-layer
-sliding window and RoPE base) and tensor names (:mod:`.arch`). There is no per-model
-copy of attention code.
+sliding window and RoPE base) filled from :mod:`.families`; readers map their tensors
+onto one canonical set. There is no per-model copy of attention code.
 
 References: Llama (Touvron et al., 2023) and HF ``modeling_llama.py`` / ``modeling_qwen2.py``
 / ``modeling_gemma3.py`` for the exact order of norms and residuals.
@@ -17,33 +17,8 @@ import numpy as np
 
 from ..backends.base import Backend, PreNormBlock
 from .config import ModelConfig
+from .families import LINEAR_KEYS, layer_tensor_names  # noqa: F401 (re-exported)
 from .rope import rope_tables
-
-#: Short per-layer names -> canonical checkpoint suffix (after ``model.layers.{i}.``).
-LAYER_TENSORS = {
-    "input_layernorm": "input_layernorm.weight",
-    "post_attention_layernorm": "post_attention_layernorm.weight",
-    "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm": "post_feedforward_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-}
-LINEAR_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def layer_tensor_names(i: int) -> dict[str, str]:
-    """Short name -> canonical name for layer ``i``."""
-    return {k: f"model.layers.{i}.{v}" for k, v in LAYER_TENSORS.items()}
 
 
 def upload_layer(backend: Backend, tensors: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -64,7 +39,8 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     Args:
         be: the backend executing the ops.
         cfg: model config (switches select the architecture's variant).
-        lw: short name -> uploaded tensor for this layer (see :data:`LAYER_TENSORS`).
+        lw: short name -> uploaded tensor for this layer (see
+            :data:`~edgeinfer.models.families.LAYER_TENSORS`).
         x: residual stream [T, D] float32 (backend handle).
         positions: int32 [T] absolute positions (start_pos .. start_pos + T - 1).
         rope: (cos, sin) tables for this layer's RoPE base, [max_pos, rotary_dim/2].
@@ -94,7 +70,7 @@ def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
         else lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"], lw["down_proj"],
         (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
         cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.attn_scale, cfg.layer_window(layer),
-        cfg.attn_logit_softcapping, "silu" if cfg.hidden_act == "silu" else "gelu_tanh",
+        cfg.attn_logit_softcapping, cfg.activation,
         q_norm=lw["q_norm"] if cfg.qk_norm else None,
         k_norm=lw["k_norm"] if cfg.qk_norm else None,
         attn_out_norm=lw["post_attention_layernorm"] if sandwich else None,

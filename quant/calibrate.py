@@ -36,23 +36,15 @@ import numpy as np
 from ..backends.quantized import QuantizedTensor
 from ..backends.reference import ReferenceBackend
 from ..errors import ModelFormatError
+from ..models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_names
 from ..models.rope import rope_tables
-from ..models.transformer import (
-    LINEAR_KEYS,
-    decoder_layer,
-    layer_tensor_names,
-    upload_layer,
-)
+from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
 from .rtn import effective_group, quantize_rtn
 
 log = logging.getLogger(__name__)
-
-#: linear groups sharing one captured input (rows are stacked for GPTQ).
-SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-                "gate_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def _tokenizer(source: ModelSource):
@@ -264,25 +256,25 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
             n_tok = ids.size
             step = max(1, n_tok // n_search)
             if method == "gptq":
-                hs = {k: Hessian(lw[k].shape[1]) for k in SHARED_INPUT}
+                hs = {k: Hessian(lw[k].shape[1]) for k in CAPTURE_GROUPS}
 
                 def stats(j, cap, hs=hs):
                     for k, h in hs.items():
                         h.add(cap[k])
             else:
-                sums = {k: np.zeros(lw[k].shape[1]) for k in SHARED_INPUT}
-                samples: dict[str, list] = {k: [] for k in SHARED_INPUT}
+                sums = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
+                samples: dict[str, list] = {k: [] for k in CAPTURE_GROUPS}
 
                 def stats(j, cap, sums=sums, samples=samples):
                     rows = np.arange(j * L, (j + 1) * L) % step == 0
-                    for k in SHARED_INPUT:
+                    for k in CAPTURE_GROUPS:
                         a = np.asarray(cap[k], np.float32)
                         sums[k] += np.abs(a).sum(axis=0, dtype=np.float64)
                         samples[k].append(a[rows])
             _run_layer(be, cfg, lw, i, x, rope, stats)
             if method == "gptq":
                 q = dict(lw)
-                for cap_key, members in SHARED_INPUT.items():
+                for cap_key, members in CAPTURE_GROUPS.items():
                     w = np.concatenate([lw[m] for m in members], axis=0)
                     qt = gptq_quantize(w, hs[cap_key].H, bits,
                                        effective_group(w.shape[1], group_size), symmetric,
@@ -291,7 +283,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                         q[m] = part
                 del hs
             else:
-                inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in SHARED_INPUT}
+                inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in CAPTURE_GROUPS}
                 q, alphas = awq_quantize_layer(cfg, lw, inputs, bits=bits, group_size=group_size,
                                                symmetric=symmetric)
                 info["awq_alpha"][i] = alphas
