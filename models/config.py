@@ -98,6 +98,24 @@ class ModelConfig:
             activation(self.hidden_act)
         except ValueError as e:
             raise ConfigError(f"hidden_act: {e}") from None
+        self._check_longrope()
+
+    def _check_longrope(self) -> None:
+        rs = self.rope_scaling
+        if not isinstance(rs, dict) or rs.get("rope_type", rs.get("type")) != "longrope":
+            return
+        half = self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            f = rs.get(key)
+            if not (isinstance(f, list) and len(f) == half and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool)
+                    and math.isfinite(x) and x > 0 for x in f)):
+                raise ConfigError(f"rope_scaling.{key} must be a list of {half} positive numbers "
+                                  f"(rotary dims / 2) for longrope")
+        orig = rs.get("original_max_position_embeddings")
+        if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0):
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive "
+                              f"integer, got {orig!r}")
 
     # ---- derived quantities ---------------------------------------------------------
     @property
@@ -219,4 +237,7 @@ class ModelConfig:
         out["eos_token_id"] = out.pop("eos_token_ids")
         # keys HF configs hold outside the fields (families' fixups read them back)
         out["use_sliding_window"] = self.sliding_window is not None
+        rs = self.rope_scaling
+        if isinstance(rs, dict) and "original_max_position_embeddings" in rs:
+            out["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
         return out

@@ -8,9 +8,11 @@ the forward pass never branches on the family. A :class:`Family` entry holds:
   configs without a ``model_type``);
 * ``defaults``: config values the family's HF config class implies when ``config.json``
   omits the key, and ``hf_fixup`` for rules that are more than a default;
+* ``fused``: checkpoint tensors that stack several canonical ones by rows (Phi-3's
+  ``qkv_proj``, ``gate_up_proj``), split at load by the readers;
 * the GGUF side: ``gguf_arch`` (``general.architecture``), tensor-name overrides, the
   converter conventions to undo (Llama's Q/K row permutation, Gemma's ``1 + w`` norms),
-  and metadata fixups;
+  metadata fixups, and tensors that carry config rather than weights;
 * ``awq_groups``: which op feeds which linears (AWQ's scale groups).
 
 Adding a family is one entry here plus fixup functions (:mod:`.family_fixups`) where its
@@ -146,6 +148,16 @@ class ScaleGroup:
     when: Callable[[Any], bool] = _always
 
 
+@dataclass(frozen=True)
+class FusedTensor:
+    """A checkpoint tensor stacking the canonical tensors ``parts`` (short names) by rows,
+    in that order; ``name`` uses ``{i}`` for the layer. Each part's row count is its
+    :data:`LAYER_TENSORS` shape, so the fused shape is checked before it is split."""
+
+    name: str
+    parts: tuple[str, ...]
+
+
 def _mha(c) -> bool:  # v_proj rows map 1:1 on o_proj columns only without GQA
     return c.num_key_value_heads == c.num_attention_heads
 
@@ -173,11 +185,13 @@ class Family:
     awq_groups: tuple[ScaleGroup, ...]
     defaults: Mapping[str, Any] = field(default_factory=dict)
     hf_fixup: Callable[[dict, dict], None] | None = None
+    fused: tuple[FusedTensor, ...] = ()
     gguf_arch: str | None = None
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_permute_qk: bool = False
     gguf_norm_plus_one: bool = False
     gguf_fixup: Callable[[Any, dict], None] | None = None
+    gguf_config_tensors: tuple[str, ...] = ()
 
     @property
     def gguf_model_type(self) -> str:
@@ -210,6 +224,20 @@ FAMILIES: tuple[Family, ...] = (
         # convert_hf_to_gguf.py Gemma3Model.modify_tensors stores 1 + w for *norm.weight
         gguf_norm_plus_one=True,
         gguf_fixup=fx.gemma3_gguf),
+    Family(
+        "phi3", ("phi3",), {"Phi3ForCausalLM": "phi3"},
+        _groups("post_attention_layernorm"),
+        # Phi3Config's defaults where they differ from ModelConfig's
+        defaults={"tie_word_embeddings": False, "max_position_embeddings": 4096,
+                  "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000},
+        hf_fixup=fx.phi3_rope,
+        fused=(FusedTensor(_L + "self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
+               FusedTensor(_L + "mlp.gate_up_proj.weight", ("gate_proj", "up_proj"))),
+        gguf_arch="phi3",
+        # llama.cpp's phi3 graph: fused attn_qkv, and ffn_up holding gate then up rows
+        gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        gguf_fixup=fx.phi3_gguf,
+        gguf_config_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
 )
 
 #: HF model_type -> family.

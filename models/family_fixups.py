@@ -42,6 +42,26 @@ def gemma3_embed_scale(d: dict, kw: dict) -> None:
         kw["embed_scale"] = round_bf16(math.sqrt(d["hidden_size"]))
 
 
+#: Phi3Config.original_max_position_embeddings default.
+PHI3_ORIGINAL_MAX = 4096
+
+
+def phi3_rope(d: dict, kw: dict) -> None:
+    """Phi3Config's rope rules: the types "su" and "yarn" mean "longrope", and the
+    top-level ``original_max_position_embeddings`` (default 4096) overrides the one in
+    the rope dict (``standardize_rope_params``)."""
+    rs = kw.get("rope_scaling")
+    if not isinstance(rs, dict):
+        return
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in ("su", "yarn", "longrope"):
+        rs = {k: v for k, v in rs.items() if k != "type"}
+        rs["rope_type"] = "longrope"
+        rs["original_max_position_embeddings"] = int(
+            d.get("original_max_position_embeddings", PHI3_ORIGINAL_MAX))
+        kw["rope_scaling"] = rs
+
+
 # ---- GGUF metadata ----------------------------------------------------------------------
 def gemma3_gguf(meta: Any, d: dict) -> None:
     """What llama.cpp (``llama-model.cpp``, LLM_ARCH_GEMMA3) assumes beyond the metadata:
@@ -68,3 +88,35 @@ def gemma3_gguf(meta: Any, d: dict) -> None:
         v = meta.opt(key)
         if v:
             d[key] = float(v)
+
+
+def phi3_gguf(meta: Any, d: dict) -> None:
+    """llama.cpp's phi3 metadata: ``attention.sliding_window``, and LongRoPE as the
+    ``rope_factors_long`` / ``rope_factors_short`` tensors with
+    ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``
+    (convert_hf_to_gguf.py ``Phi3MiniModel``)."""
+    window = meta.opt("attention.sliding_window")
+    if window:
+        d["sliding_window"] = int(window)
+    long, short = meta.tensor("rope_factors_long.weight"), meta.tensor("rope_factors_short.weight")
+    if long is None and short is None:
+        if meta.opt("rope.scaling.type") == "longrope":
+            raise ValueError("rope.scaling.type is longrope but the rope_factors_long/short "
+                             "tensors are missing")
+        return
+    if long is None or short is None:
+        raise ValueError("only one of rope_factors_long.weight / rope_factors_short.weight "
+                         "is present; LongRoPE needs both")
+    orig = meta.opt("rope.scaling.original_context_length")
+    if not orig:
+        raise ValueError("LongRoPE factors without rope.scaling.original_context_length")
+    rs: dict[str, Any] = {
+        "rope_type": "longrope", "original_max_position_embeddings": int(orig),
+        "long_factor": [float(x) for x in np.asarray(long).reshape(-1)],
+        "short_factor": [float(x) for x in np.asarray(short).reshape(-1)],
+    }
+    attn = meta.opt("rope.scaling.attn_factor")
+    if attn:
+        rs["attention_factor"] = float(attn)
+    d["rope_scaling"] = rs
+    d["original_max_position_embeddings"] = int(orig)

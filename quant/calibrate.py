@@ -37,7 +37,7 @@ from ..backends.quantized import QuantizedTensor
 from ..backends.reference import ReferenceBackend
 from ..errors import ModelFormatError
 from ..models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_names
-from ..models.rope import rope_tables
+from ..models.rope import rope_switch, rope_tables
 from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
@@ -113,12 +113,14 @@ def _self_generated(source: ModelSource, n_seq: int, seq_len: int, rng: np.rando
     model = Transformer(source.config, tensors, ReferenceBackend(), max_positions=seq_len + 1)
     start = bos if bos is not None else 0
     out = np.zeros((n_seq, seq_len), np.int32)
+    # LongRoPE: the whole window with the factors of its length, as the layers see it below
+    kw = {} if model.rope_switch is None else {"long_rope": model.long_rope(seq_len)}
     for j in range(n_seq):
         cache = model.new_cache(seq_len)
         tok = start
         out[j, 0] = tok
         for t in range(1, seq_len):
-            logits = model.forward(np.array([tok]), cache)[0].astype(np.float64)
+            logits = model.forward(np.array([tok]), cache, **kw)[0].astype(np.float64)
             p = np.exp(logits - logits.max())
             p /= p.sum()
             tok = int(rng.choice(len(p), p=p))
@@ -249,8 +251,9 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         else:
             theta = cfg.layer_rope_theta(i)
-            if theta not in ropes:
-                cos, sin = rope_tables(cfg, L, theta)
+            if theta not in ropes:  # LongRoPE: a window of L tokens uses the factors of L
+                switch = rope_switch(cfg)
+                cos, sin = rope_tables(cfg, L, theta, long=switch is not None and L > switch)
                 ropes[theta] = (be.upload(cos), be.upload(sin))
             rope = ropes[theta]
             n_tok = ids.size

@@ -27,9 +27,12 @@ is data in :mod:`edgeinfer.models.families`):
   of a gemma3 GGUF (attn/ffn/post norms, q/k norms, final norm) to get the HF
   convention back (``ModelConfig.norm_unit_offset`` then adds it in the forward).
   Norms are stored F32, so ``(1 + w) - 1`` returns bf16-origin ``w`` exactly.
+* **Fused tensors.** phi3's ``attn_qkv`` and ``ffn_up`` (gate then up rows) are split
+  into the canonical q/k/v and gate/up (:mod:`edgeinfer.readers.fused`).
 
 Config facts the GGUF does not store, and those it stores in its own way (gemma3's
-sliding-window pattern), are filled by the family's ``gguf_fixup`` (:mod:`edgeinfer.models.family_fixups`).
+sliding-window pattern, phi3's LongRoPE factor tensors), are filled by the family's
+``gguf_fixup`` (:mod:`edgeinfer.models.family_fixups`).
 
 EOS ids: ``tokenizer.ggml.eos_token_id`` plus ``eot`` / ``eom`` ids plus llama.cpp's
 end-of-generation tokens recognised by text
@@ -56,6 +59,7 @@ from ..models.config import ModelConfig
 from ..models.families import BY_GGUF_ARCH, BY_MODEL_TYPE, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from ..source import LazyTensors, ModelSource
 from . import config_from_dict
+from .fused import split_fused
 from .gguf_file import GGUFFile, GGUFTensorInfo
 
 log = logging.getLogger(__name__)
@@ -168,7 +172,7 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
                 if v is not None:
                     rs[k_hf] = float(v)
         d["rope_scaling"] = rs
-    elif scaling not in (None, "none", "linear", "yarn"):
+    elif scaling not in (None, "none", "linear", "yarn", "longrope"):  # longrope: fixups
         raise UnsupportedModelError(f"{g.path}: rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in g.tensors:
         d["rope_scaling"] = _llama3_scaling(g, d, opt("rope.scaling.original_context_length"))
@@ -222,7 +226,7 @@ def _llama3_scaling(g: GGUFFile, d: dict, orig_ctx: Any) -> dict:
 
 def hf_tensor_name(name: str, arch: str) -> str | None:
     """Canonical HF name of a GGUF tensor name, or None if it has no HF counterpart (fused
-    tensors get their HF fused name)."""
+    tensors get their HF fused name, split later)."""
     if name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")
@@ -265,7 +269,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
     if fam.gguf_permute_qk:
         permute_heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, info in g.tensors.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or name in fam.gguf_config_tensors:
             continue  # folded into config.rope_scaling
         hf = hf_tensor_name(name, arch)
         if hf is None:
@@ -291,6 +295,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
             f"{g.path}: tensor(s) {', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''} have "
             f"no counterpart in edgeinfer's {arch} architecture; refusing to drop weights silently"
         )
+    split_fused(config, loaders, shapes, str(g.path))  # e.g. phi3's attn_qkv, ffn_up
     expected = {s.name for s in tensor_specs(config)}
     extra = sorted(n for n in loaders if n not in expected)
     if extra:
