@@ -149,17 +149,23 @@ class Engine:
     # stream takes it out while it runs, so a second stream started meanwhile (another
     # thread, an abandoned generator) makes its own instead of sharing it
     _sampler: Sampler | None = field(default=None, init=False, repr=False, compare=False)
+    # LongRoPE models (``model.rope_switch``, see edgeinfer.models.rope): the switch length
+    # and whether the cached prefix was computed with the long factors
+    _switch: int | None = field(default=None, init=False, repr=False, compare=False)
+    _cache_long: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cache is None:
             self.cache = self.model.new_cache(self.n_ctx, self.kv_dtype, self.prefill_chunk)
         self._ids1 = np.zeros(1, np.int32)
+        self._switch = getattr(self.model, "rope_switch", None)
 
     # ---- low level -------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the cached prefix."""
         self.cache.reset()
         self.cached_ids = []
+        self._cache_long = False
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         """Raise if a prompt cannot be run.
@@ -181,7 +187,9 @@ class Engine:
         """Make the cache hold exactly ``ids`` and return the last position's logits.
 
         Reuses the longest common prefix with what the cache already holds (always
-        recomputing at least the last token).
+        recomputing at least the last token). A LongRoPE model runs the whole prompt with
+        the factors of its length; a cached prefix computed with the other ones is not
+        reused.
 
         Returns:
             (logits float32 [V], number of reused tokens); logits is None when ``cancel``
@@ -193,6 +201,13 @@ class Engine:
         """
         self.check_prompt(ids)
         keep = min(common_prefix_len(self.cached_ids, ids), len(ids) - 1)
+        kw = {}
+        if self._switch is not None:
+            long = len(ids) > self._switch
+            if long != self._cache_long:
+                keep = 0
+            self._cache_long = long
+            kw = {"long_rope": long}
         self.cache.trim(min(keep, self.cache.length))
         keep = self.cache.length
         self.cached_ids = list(ids[:keep])
@@ -201,7 +216,7 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None, keep
             chunk = ids[s:s + self.prefill_chunk]
-            logits = self.model.forward(np.asarray(chunk, np.int32), self.cache)
+            logits = self.model.forward(np.asarray(chunk, np.int32), self.cache, **kw)
             self.cached_ids.extend(chunk)
         return logits[-1], keep
 
@@ -210,8 +225,15 @@ class Engine:
 
         The logits are a view of a buffer this engine reuses (so that a decode step
         allocates nothing on the CPU backend): valid until the next ``decode_one``; copy
-        them to keep them longer.
+        them to keep them longer. On a LongRoPE model, the step that takes the sequence
+        past the switch length re-runs the whole sequence with the long factors (as HF's
+        Phi-3 does), so its logits equal a from-scratch forward.
         """
+        if (self._switch is not None and not self._cache_long
+                and self.cache.length >= self._switch):
+            last, _ = self.prefill(self.cached_ids + [int(token)])
+            self._logits = last.reshape(1, -1)
+            return self._logits[-1]
         self._ids1[0] = token
         if self._logits is None:  # the first step's result becomes the reused buffer
             self._logits = self.model.forward(self._ids1, self.cache)

@@ -1,84 +1,42 @@
-"""Per-architecture tensor-name tables: architectures are data.
+"""Tensor specs of a config: which canonical tensors it needs, with their shapes.
 
-Canonical tensor names are the Hugging Face checkpoint names (``model.layers.{i}...``).
-Every reader maps its own names onto these; the transformer only ever asks for the
-canonical ones. Each entry says whether the tensor is required and its expected shape
-as a function of the config, so loading is strict: every key present, every shape
-checked, optional and tied tensors declared.
+Canonical tensor names are the Hugging Face checkpoint names (``model.layers.{i}...``) of
+:data:`edgeinfer.models.families.LAYER_TENSORS`; every reader maps its own names onto
+them and the transformer only asks for them. Loading is strict: every key present,
+every shape checked, optional and tied tensors declared.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import ModelConfig
+from .families import GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_KEYS
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor: canonical name pattern, shape rule, and whether optional."""
+    """One checkpoint tensor: canonical name, shape rule, and whether optional."""
 
-    name: str  # may contain "{i}" for the layer index
+    name: str
     shape: Callable[[ModelConfig], tuple[int, ...]]
     when: Callable[[ModelConfig], bool] = lambda c: True  # present for this config?
     linear: bool = False  # a [out, in] matmul weight (quantizable)
 
 
-def _d(c):  # hidden
-    return c.hidden_size
-
-
-_GLOBAL = [
-    TensorSpec("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
-    TensorSpec("model.norm.weight", lambda c: (c.hidden_size,)),
-    TensorSpec("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size),
-               when=lambda c: not c.tie_word_embeddings, linear=True),
-]
-
-_LAYER = [
-    TensorSpec("model.layers.{i}.input_layernorm.weight", lambda c: (c.hidden_size,)),
-    TensorSpec("model.layers.{i}.post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
-    TensorSpec("model.layers.{i}.self_attn.q_proj.weight",
-               lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size), linear=True),
-    TensorSpec("model.layers.{i}.self_attn.k_proj.weight",
-               lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), linear=True),
-    TensorSpec("model.layers.{i}.self_attn.v_proj.weight",
-               lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), linear=True),
-    TensorSpec("model.layers.{i}.self_attn.o_proj.weight",
-               lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), linear=True),
-    TensorSpec("model.layers.{i}.self_attn.q_proj.bias",
-               lambda c: (c.num_attention_heads * c.head_dim,), when=lambda c: c.attention_bias),
-    TensorSpec("model.layers.{i}.self_attn.k_proj.bias",
-               lambda c: (c.num_key_value_heads * c.head_dim,), when=lambda c: c.attention_bias),
-    TensorSpec("model.layers.{i}.self_attn.v_proj.bias",
-               lambda c: (c.num_key_value_heads * c.head_dim,), when=lambda c: c.attention_bias),
-    TensorSpec("model.layers.{i}.self_attn.q_norm.weight", lambda c: (c.head_dim,),
-               when=lambda c: c.qk_norm),
-    TensorSpec("model.layers.{i}.self_attn.k_norm.weight", lambda c: (c.head_dim,),
-               when=lambda c: c.qk_norm),
-    TensorSpec("model.layers.{i}.pre_feedforward_layernorm.weight", lambda c: (c.hidden_size,),
-               when=lambda c: c.sandwich_norms),
-    TensorSpec("model.layers.{i}.post_feedforward_layernorm.weight", lambda c: (c.hidden_size,),
-               when=lambda c: c.sandwich_norms),
-    TensorSpec("model.layers.{i}.mlp.gate_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), linear=True),
-    TensorSpec("model.layers.{i}.mlp.up_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), linear=True),
-    TensorSpec("model.layers.{i}.mlp.down_proj.weight",
-               lambda c: (c.hidden_size, c.intermediate_size), linear=True),
-]
-
-
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Every tensor this config needs, with layer indices expanded."""
-    out = [s for s in _GLOBAL if s.when(cfg)]
+    out = [TensorSpec(t.name, t.shape, t.when, t.linear) for t in GLOBAL_TENSORS if t.when(cfg)]
     for i in range(cfg.num_hidden_layers):
-        for s in _LAYER:
-            if s.when(cfg):
-                out.append(TensorSpec(s.name.format(i=i), s.shape, s.when, s.linear))
+        for t in LAYER_TENSORS:
+            if t.when(cfg):
+                out.append(TensorSpec(t.name.format(i=i), t.shape, t.when, t.linear))
     return out
+
+
+_LINEAR_SUFFIXES = tuple(t.name.split("}.", 1)[1] for t in LAYER_TENSORS if t.short in LINEAR_KEYS)
 
 
 def is_linear(name: str) -> bool:
     """Whether a canonical tensor name is a quantizable matmul weight."""
-    return name.endswith("_proj.weight") or name == "lm_head.weight"
+    return name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight"

@@ -2,8 +2,8 @@
 
 Every reader (HF folder, GGUF, ``.eif``) produces an HF-style config dict and hands it
 to :meth:`ModelConfig.from_hf_dict`; unknown keys are dropped, inconsistent values
-raise. Architecture differences are switches here plus a tensor-name table in
-:mod:`edgeinfer.models.arch`, never copies of the forward pass.
+raise. Architecture differences are switches here, filled per family from
+:mod:`edgeinfer.models.families`, never copies of the forward pass.
 """
 from __future__ import annotations
 
@@ -12,20 +12,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .families import BY_ARCHITECTURE, BY_MODEL_TYPE, activation
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or inconsistent."""
 
 
 #: model_type values the runtime implements, mapped to their architecture family.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "smollm": "llama",
-    "qwen2": "qwen2",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-}
+SUPPORTED_MODEL_TYPES = {mt: f.name for mt, f in BY_MODEL_TYPE.items()}
 
 
 @dataclass
@@ -99,12 +94,39 @@ class ModelConfig:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
             )
+        try:
+            activation(self.hidden_act)
+        except ValueError as e:
+            raise ConfigError(f"hidden_act: {e}") from None
+        self._check_longrope()
+
+    def _check_longrope(self) -> None:
+        rs = self.rope_scaling
+        if not isinstance(rs, dict) or rs.get("rope_type", rs.get("type")) != "longrope":
+            return
+        half = self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            f = rs.get(key)
+            if not (isinstance(f, list) and len(f) == half and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool)
+                    and math.isfinite(x) and x > 0 for x in f)):
+                raise ConfigError(f"rope_scaling.{key} must be a list of {half} positive numbers "
+                                  f"(rotary dims / 2) for longrope")
+        orig = rs.get("original_max_position_embeddings")
+        if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0):
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive "
+                              f"integer, got {orig!r}")
 
     # ---- derived quantities ---------------------------------------------------------
     @property
     def q_per_kv(self) -> int:
         """Query heads per KV head (GQA group size): head h reads KV head h // q_per_kv."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def activation(self) -> str:
+        """The backends' GLU activation, "silu" or "gelu_tanh" (from ``hidden_act``)."""
+        return activation(self.hidden_act)
 
     @property
     def rotary_dim(self) -> int:
@@ -158,11 +180,12 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt is None:
             archs = d.get("architectures") or []
-            guess = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                     "MistralForCausalLM": "mistral", "Gemma3ForCausalLM": "gemma3_text"}
-            mt = next((guess[a] for a in archs if a in guess), None)
+            mt = next((BY_ARCHITECTURE[a] for a in archs if a in BY_ARCHITECTURE), None)
             if mt is None:
                 raise ConfigError(f"config has no model_type and no known architectures ({archs})")
+        fam = BY_MODEL_TYPE.get(mt)
+        if fam is not None:  # what the family's HF config class implies for absent keys
+            d = {**fam.defaults, **d}
         kw: dict[str, Any] = {"model_type": mt}
         names = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():
@@ -196,20 +219,15 @@ class ModelConfig:
                 eos_list.append(e)
         kw["eos_token_ids"] = eos_list
         if "tie_word_embeddings" not in d:
-            kw["tie_word_embeddings"] = True  # the HF default
+            kw["tie_word_embeddings"] = True  # PretrainedConfig's default; families override it
         act = d.get("hidden_activation") or d.get("hidden_act")
         if act:
             kw["hidden_act"] = act
-        if SUPPORTED_MODEL_TYPES.get(mt) == "qwen2" and "attention_bias" not in d:
-            kw["attention_bias"] = True  # qwen2 always has q/k/v biases
-        if SUPPORTED_MODEL_TYPES.get(mt) == "gemma3":
-            kw.setdefault("norm_unit_offset", True)
-            kw.setdefault("qk_norm", True)
-            kw.setdefault("sandwich_norms", True)
-            if "embed_scale" not in d:
-                # HF computes sqrt(hidden) in the checkpoint dtype (bf16) and the
-                # original reference does the same: use that rounded value (case C20).
-                kw["embed_scale"] = _round_bf16(math.sqrt(d["hidden_size"]))
+        if fam is not None and fam.hf_fixup is not None:
+            try:
+                fam.hf_fixup(d, kw)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{mt} config: {e}") from None
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -217,13 +235,9 @@ class ModelConfig:
         out = dataclasses.asdict(self)
         out.pop("arch")
         out["eos_token_id"] = out.pop("eos_token_ids")
+        # keys HF configs hold outside the fields (families' fixups read them back)
+        out["use_sliding_window"] = self.sliding_window is not None
+        rs = self.rope_scaling
+        if isinstance(rs, dict) and "original_max_position_embeddings" in rs:
+            out["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
         return out
-
-
-def _round_bf16(x: float) -> float:
-    import numpy as np
-
-    b = np.array([x], np.float32).view(np.uint32)
-    # round to nearest even on the 16 dropped bits
-    b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
-    return float(b.view(np.float32)[0])

@@ -1,9 +1,10 @@
 """The one decoder-only transformer forward, written against the backend contract.
 
-Llama, SmolLM2, Mistral, Qwen2 and Gemma3 differ only in config switches (QKV bias,
-QK-norm, sandwich norms, (1 + w) RMSNorm, GELU-tanh gating, embedding scale, per-layer
-sliding window and RoPE base) and tensor names (:mod:`.arch`). There is no per-model
-copy of attention code.
+Llama, SmolLM2, Mistral, Qwen2, Gemma3 and Phi-3 differ only in config switches (QKV
+bias, QK-norm, sandwich norms, (1 + w) RMSNorm, GELU-tanh gating, embedding scale,
+per-layer sliding window and RoPE base, partial rotary, LongRoPE) filled from
+:mod:`.families`; readers map their tensors onto one canonical set. There is no
+per-model copy of attention code.
 
 References: Llama (Touvron et al., 2023) and HF ``modeling_llama.py`` / ``modeling_qwen2.py``
 / ``modeling_gemma3.py`` for the exact order of norms and residuals.
@@ -17,33 +18,8 @@ import numpy as np
 
 from ..backends.base import Backend, PreNormBlock
 from .config import ModelConfig
-from .rope import rope_tables
-
-#: Short per-layer names -> canonical checkpoint suffix (after ``model.layers.{i}.``).
-LAYER_TENSORS = {
-    "input_layernorm": "input_layernorm.weight",
-    "post_attention_layernorm": "post_attention_layernorm.weight",
-    "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm": "post_feedforward_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-}
-LINEAR_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def layer_tensor_names(i: int) -> dict[str, str]:
-    """Short name -> canonical name for layer ``i``."""
-    return {k: f"model.layers.{i}.{v}" for k, v in LAYER_TENSORS.items()}
+from .families import LINEAR_KEYS, layer_tensor_names  # noqa: F401 (re-exported)
+from .rope import rope_switch, rope_tables
 
 
 def upload_layer(backend: Backend, tensors: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -64,7 +40,8 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
     Args:
         be: the backend executing the ops.
         cfg: model config (switches select the architecture's variant).
-        lw: short name -> uploaded tensor for this layer (see :data:`LAYER_TENSORS`).
+        lw: short name -> uploaded tensor for this layer (see
+            :data:`~edgeinfer.models.families.LAYER_TENSORS`).
         x: residual stream [T, D] float32 (backend handle).
         positions: int32 [T] absolute positions (start_pos .. start_pos + T - 1).
         rope: (cos, sin) tables for this layer's RoPE base, [max_pos, rotary_dim/2].
@@ -94,11 +71,15 @@ def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
         else lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"], lw["down_proj"],
         (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
         cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.attn_scale, cfg.layer_window(layer),
-        cfg.attn_logit_softcapping, "silu" if cfg.hidden_act == "silu" else "gelu_tanh",
+        cfg.attn_logit_softcapping, cfg.activation,
         q_norm=lw["q_norm"] if cfg.qk_norm else None,
         k_norm=lw["k_norm"] if cfg.qk_norm else None,
         attn_out_norm=lw["post_attention_layernorm"] if sandwich else None,
         mlp_out_norm=lw["post_feedforward_layernorm"] if sandwich else None)
+
+
+class RopeSwitchError(ValueError):
+    """A forward call would mix LongRoPE's short and long factors in one sequence."""
 
 
 class Transformer:
@@ -137,9 +118,23 @@ class Transformer:
         # per layer: the block's tensors and switches (one backend op per layer)
         self.blocks = [prenorm_block(cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
                        for i, lw in enumerate(self.layers)]
+        #: LongRoPE: sequences longer than this run ``long_blocks`` (the same blocks with
+        #: the long-factor tables); None for every other RoPE (``long_blocks`` = ``blocks``).
+        self.rope_switch = rope_switch(cfg)
+        self.long_blocks = self.blocks
+        if self.rope_switch is not None:
+            long = {theta: tuple(be.upload(t) for t in
+                                 rope_tables(cfg, self.max_positions, theta, long=True))
+                    for theta in self._rope}
+            self.long_blocks = [prenorm_block(cfg, lw, long[cfg.layer_rope_theta(i)], i)
+                                for i, lw in enumerate(self.layers)]
         # positions p.. of a call are a view of this table: nothing allocated per step
         self._positions = np.arange(self.max_positions, dtype=np.int32)
         self._positions.flags.writeable = False
+
+    def long_rope(self, n_tokens: int) -> bool:
+        """Whether a sequence of ``n_tokens`` runs with LongRoPE's long factors."""
+        return self.rope_switch is not None and n_tokens > self.rope_switch
 
     def new_cache(self, max_tokens: int, dtype: str = "f32", max_chunk: int = 512) -> Any:
         """Preallocate a KV cache for ``max_tokens`` positions (see ``Backend.new_kv_cache``).
@@ -157,7 +152,7 @@ class Transformer:
                                          max_tokens, dtype, **extra)
 
     def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False,
-                out: np.ndarray | None = None) -> np.ndarray:
+                out: np.ndarray | None = None, long_rope: bool | None = None) -> np.ndarray:
         """Run T tokens starting at position ``cache.length``; T > 1 is prefill, T == 1 decode.
 
         Args:
@@ -167,12 +162,18 @@ class Transformer:
             out: optional float32 [1, V] buffer for the last position's logits (not with
                 ``all_logits``): written and returned, so that a decode loop reusing it
                 allocates nothing on the CPU backend. Without it the result is a new array.
+            long_rope: LongRoPE models only (:attr:`rope_switch`): run with the long
+                factors (True) or the short ones (False), as the caller knows the cached
+                prefix was computed; None: by this call's end, ``start + T > rope_switch``.
 
         Returns:
             float32 numpy logits [T, V] if ``all_logits`` else [1, V].
 
         Raises:
             ValueError: the positions exceed the cache or the RoPE table.
+            RopeSwitchError: ``long_rope`` is None and the call crosses the switch with
+                a cached prefix (computed with the short factors): re-run the whole
+                sequence from position 0 (as :class:`~edgeinfer.engine.Engine` does).
         """
         ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
         t = ids.shape[0]
@@ -182,8 +183,19 @@ class Transformer:
                              f"{self.max_positions}")
         positions = self._positions[start:start + t]
         be, cfg = self.backend, self.cfg
+        blocks = self.blocks
+        if self.rope_switch is not None:
+            if long_rope is None:
+                long_rope = start + t > self.rope_switch
+                if long_rope and 0 < start <= self.rope_switch:
+                    raise RopeSwitchError(
+                        f"positions {start}..{start + t - 1} cross LongRoPE's switch at "
+                        f"{self.rope_switch} tokens over a prefix computed with the short "
+                        f"factors; re-run the whole sequence from position 0")
+            if long_rope:
+                blocks = self.long_blocks
         x = be.embed_step(self.embed_tokens, ids, cfg.embed_scale)
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(blocks):
             x = be.decoder_block(x, blk, positions, cache, i)
         cache.length = start + t
         if all_logits:

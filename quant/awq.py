@@ -43,52 +43,23 @@ Deviations, measured and left: q|k|v use the linear-output objective, not AutoAW
 attention-block output (on a per-layer proxy the block objective changed the layer-output
 MSE by −6.5%..+3.4% on 5 layers of the two models, at several times the cost); no v→o group under GQA (AutoAWQ skips it too).
 
-The architecture knowledge (which op feeds which linears) is data: :data:`AWQ_SCALE_GROUPS`,
-as mlx-lm's ``AWQ_MODEL_CONFIGS``. The v_proj → o_proj group needs ``v`` rows to map 1:1 on
+The architecture knowledge (which op feeds which linears) is data: each family's
+``awq_groups`` in :mod:`edgeinfer.models.families` (as mlx-lm's ``AWQ_MODEL_CONFIGS``). The v_proj → o_proj group needs ``v`` rows to map 1:1 on
 ``o`` columns, i.e. ``num_key_value_heads == num_attention_heads``; with GQA it is skipped
 (as AutoAWQ does).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT
 from ..models.config import ModelConfig
+from ..models.families import CAPTURE_GROUPS, FAMILIES, LINEAR_KEYS, ScaleGroup
 from .rtn import SCALE_EPS, effective_group, quantize_rtn, resolve_group
 
 
-@dataclass(frozen=True)
-class ScaleGroup:
-    """``prev`` op (short layer-tensor name) feeding ``linears`` whose shared input was
-    captured under ``capture`` (a key of ``decoder_layer``'s ``capture``)."""
-
-    prev: str
-    linears: tuple[str, ...]
-    capture: str
-    when: Callable[[ModelConfig], bool] = lambda c: True
-
-
-_LLAMA = (
-    ScaleGroup("input_layernorm", ("q_proj", "k_proj", "v_proj"), "q_proj"),
-    ScaleGroup("v_proj", ("o_proj",), "o_proj",
-               when=lambda c: c.num_key_value_heads == c.num_attention_heads),
-    ScaleGroup("post_attention_layernorm", ("gate_proj", "up_proj"), "gate_proj"),
-    ScaleGroup("up_proj", ("down_proj",), "down_proj"),
-)
-_GEMMA3 = (
-    ScaleGroup("input_layernorm", ("q_proj", "k_proj", "v_proj"), "q_proj"),
-    ScaleGroup("v_proj", ("o_proj",), "o_proj",
-               when=lambda c: c.num_key_value_heads == c.num_attention_heads),
-    ScaleGroup("pre_feedforward_layernorm", ("gate_proj", "up_proj"), "gate_proj"),
-    ScaleGroup("up_proj", ("down_proj",), "down_proj"),
-)
 #: architecture family -> scale groups, in the order they are searched and folded.
-AWQ_SCALE_GROUPS: dict[str, tuple[ScaleGroup, ...]] = {
-    "llama": _LLAMA, "qwen2": _LLAMA, "gemma3": _GEMMA3,
-}
+AWQ_SCALE_GROUPS: dict[str, tuple[ScaleGroup, ...]] = {f.name: f.awq_groups for f in FAMILIES}
 #: linears whose clip range is not searched (attention logits amplify their error).
 NO_CLIP = ("q_proj", "k_proj")
 _BIAS = {"q_proj": "q_bias", "k_proj": "k_bias", "v_proj": "v_bias"}
@@ -475,16 +446,15 @@ def awq_quantize_layer(cfg: ModelConfig, lw: dict, inputs: dict, *, bits: int = 
         obj = None
         if block and grp.linears == ("gate_proj", "up_proj") and "down_proj" in lw:
             obj = mlp_objective(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"],
-                                "silu" if cfg.hidden_act == "silu" else "gelu_tanh")
+                                cfg.activation)
         s, alpha, _ = search_scale(x, am, w, bits, g, symmetric, n_grid, duo=duo,
                                    objective=obj)
         info["+".join(grp.linears)] = alpha
         fold_scale(cfg, lw, grp, s)
         # the captured input of this group now sees x / s (AutoAWQ scales input_feat too)
         xs[grp.capture] = (x / s.astype(np.float32), am / s)
-    lin = [k for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj") if k in lw]
-    cap_of = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+    lin = [k for k in LINEAR_KEYS if k in lw]
+    cap_of = {m: key for key, members in CAPTURE_GROUPS.items() for m in members}
     prop: dict = {}  # linear -> (clamped weight, max-abs clip): its searched clip
     for k in lin:
         if not clip or k in no_clip:
@@ -502,7 +472,7 @@ def awq_quantize_layer(cfg: ModelConfig, lw: dict, inputs: dict, *, bits: int = 
             return fake_quantize32(np.asarray(w, np.float32), bits,
                                    effective_group(w.shape[1], group_size), symmetric,
                                    None if c is None else np.asarray(c, np.float32))
-        act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
+        act = cfg.activation
         glu = ("gate_proj", "up_proj")
         joint = all(k in prop for k in glu) and "down_proj" in lw
         for ks in ([glu] if joint else []) + [(k,) for k in prop if not (joint and k in glu)]:

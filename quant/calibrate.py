@@ -36,23 +36,15 @@ import numpy as np
 from ..backends.quantized import QuantizedTensor
 from ..backends.reference import ReferenceBackend
 from ..errors import ModelFormatError
-from ..models.rope import rope_tables
-from ..models.transformer import (
-    LINEAR_KEYS,
-    decoder_layer,
-    layer_tensor_names,
-    upload_layer,
-)
+from ..models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_names
+from ..models.rope import rope_switch, rope_tables
+from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
 from .rtn import effective_group, quantize_rtn
 
 log = logging.getLogger(__name__)
-
-#: linear groups sharing one captured input (rows are stacked for GPTQ).
-SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-                "gate_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def _tokenizer(source: ModelSource):
@@ -121,12 +113,14 @@ def _self_generated(source: ModelSource, n_seq: int, seq_len: int, rng: np.rando
     model = Transformer(source.config, tensors, ReferenceBackend(), max_positions=seq_len + 1)
     start = bos if bos is not None else 0
     out = np.zeros((n_seq, seq_len), np.int32)
+    # LongRoPE: the whole window with the factors of its length, as the layers see it below
+    kw = {} if model.rope_switch is None else {"long_rope": model.long_rope(seq_len)}
     for j in range(n_seq):
         cache = model.new_cache(seq_len)
         tok = start
         out[j, 0] = tok
         for t in range(1, seq_len):
-            logits = model.forward(np.array([tok]), cache)[0].astype(np.float64)
+            logits = model.forward(np.array([tok]), cache, **kw)[0].astype(np.float64)
             p = np.exp(logits - logits.max())
             p /= p.sum()
             tok = int(rng.choice(len(p), p=p))
@@ -257,32 +251,33 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         else:
             theta = cfg.layer_rope_theta(i)
-            if theta not in ropes:
-                cos, sin = rope_tables(cfg, L, theta)
+            if theta not in ropes:  # LongRoPE: a window of L tokens uses the factors of L
+                switch = rope_switch(cfg)
+                cos, sin = rope_tables(cfg, L, theta, long=switch is not None and L > switch)
                 ropes[theta] = (be.upload(cos), be.upload(sin))
             rope = ropes[theta]
             n_tok = ids.size
             step = max(1, n_tok // n_search)
             if method == "gptq":
-                hs = {k: Hessian(lw[k].shape[1]) for k in SHARED_INPUT}
+                hs = {k: Hessian(lw[k].shape[1]) for k in CAPTURE_GROUPS}
 
                 def stats(j, cap, hs=hs):
                     for k, h in hs.items():
                         h.add(cap[k])
             else:
-                sums = {k: np.zeros(lw[k].shape[1]) for k in SHARED_INPUT}
-                samples: dict[str, list] = {k: [] for k in SHARED_INPUT}
+                sums = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
+                samples: dict[str, list] = {k: [] for k in CAPTURE_GROUPS}
 
                 def stats(j, cap, sums=sums, samples=samples):
                     rows = np.arange(j * L, (j + 1) * L) % step == 0
-                    for k in SHARED_INPUT:
+                    for k in CAPTURE_GROUPS:
                         a = np.asarray(cap[k], np.float32)
                         sums[k] += np.abs(a).sum(axis=0, dtype=np.float64)
                         samples[k].append(a[rows])
             _run_layer(be, cfg, lw, i, x, rope, stats)
             if method == "gptq":
                 q = dict(lw)
-                for cap_key, members in SHARED_INPUT.items():
+                for cap_key, members in CAPTURE_GROUPS.items():
                     w = np.concatenate([lw[m] for m in members], axis=0)
                     qt = gptq_quantize(w, hs[cap_key].H, bits,
                                        effective_group(w.shape[1], group_size), symmetric,
@@ -291,7 +286,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                         q[m] = part
                 del hs
             else:
-                inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in SHARED_INPUT}
+                inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in CAPTURE_GROUPS}
                 q, alphas = awq_quantize_layer(cfg, lw, inputs, bits=bits, group_size=group_size,
                                                symmetric=symmetric)
                 info["awq_alpha"][i] = alphas

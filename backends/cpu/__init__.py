@@ -99,7 +99,7 @@ def _is_gelu(act: str) -> bool:
     """
     if act == "silu":
         return False
-    if act in ("gelu_tanh", "gelu_pytorch_tanh"):
+    if act == "gelu_tanh":
         return True
     raise ValueError(f"unsupported activation {act!r}")
 

@@ -46,7 +46,7 @@ from .memory import BufferPool, DeviceTensor, DeviceWeight, owned_tensor, repack
 # (device.scalar_arg_dtypes), the fast pyopencl path; numpy scalars cost ~25 us each.
 _I = int
 _F = float
-_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu_pytorch_tanh": 1}
+_ACTS = {"silu": 0, "gelu_tanh": 1}
 _WFMT = {"f32": 0, "q4": 1, "q8": 2}
 # flags of fused.cl's gemv_rows
 _F_ZEROS, _F_NORM, _F_NORM_OFF, _F_RES, _F_GLU, _F_GELU = 1, 2, 4, 8, 16, 32

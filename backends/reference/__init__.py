@@ -91,7 +91,7 @@ class ReferenceBackend(Backend):
     def glu(self, gate, up, act="silu"):
         if act == "silu":
             a = gate * (0.5 * (1.0 + np.tanh(0.5 * gate)))  # x*sigmoid(x), no exp overflow
-        elif act in ("gelu_tanh", "gelu_pytorch_tanh"):
+        elif act == "gelu_tanh":
             a = 0.5 * gate * (1.0 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate ** 3)))
         else:
             raise ValueError(f"unsupported activation {act!r}")

@@ -8,7 +8,8 @@ as a ``tokenizer.json`` (:mod:`edgeinfer.readers.gguf_tokenizer`).
 The file header is parsed by :mod:`edgeinfer.readers.gguf_file`; dequantization comes
 from the ``gguf`` package.
 
-Conventions undone so tensors match the HF checkpoint exactly:
+Conventions undone so tensors match the HF checkpoint exactly (which family needs which
+is data in :mod:`edgeinfer.models.families`):
 
 * **Orientation.** GGUF lists dimensions fastest-first (``ne0`` = the input dimension
   of a matmul), so a GGUF ``[in, out]`` tensor is a row-major HF ``[out, in]`` array.
@@ -26,12 +27,15 @@ Conventions undone so tensors match the HF checkpoint exactly:
   of a gemma3 GGUF (attn/ffn/post norms, q/k norms, final norm) to get the HF
   convention back (``ModelConfig.norm_unit_offset`` then adds it in the forward).
   Norms are stored F32, so ``(1 + w) - 1`` returns bf16-origin ``w`` exactly.
+* **Fused tensors.** phi3's ``attn_qkv`` and ``ffn_up`` (gate then up rows) are split
+  into the canonical q/k/v and gate/up (:mod:`edgeinfer.readers.fused`).
 
-Config facts the GGUF does not store are filled from llama.cpp's own defaults
-(``llama-model.cpp``): gemma3 uses a 6-layer sliding-window pattern (every 6th layer
-global), local RoPE base 10000, and attention scale ``1/sqrt(head_dim)`` (27B:
-``1/sqrt(hidden/heads)``). EOS ids: ``tokenizer.ggml.eos_token_id`` plus ``eot`` /
-``eom`` ids plus llama.cpp's end-of-generation tokens recognised by text
+Config facts the GGUF does not store, and those it stores in its own way (gemma3's
+sliding-window pattern, phi3's LongRoPE factor tensors), are filled by the family's
+``gguf_fixup`` (:mod:`edgeinfer.models.family_fixups`).
+
+EOS ids: ``tokenizer.ggml.eos_token_id`` plus ``eot`` / ``eom`` ids plus llama.cpp's
+end-of-generation tokens recognised by text
 (``<|im_end|>``, ``<|endoftext|>``, ``<end_of_turn>``, ``<|eot_id|>`` …, see
 :data:`EOG_TOKEN_TEXTS`) when they are control tokens of the vocabulary. Token ids
 outside the vocabulary (stories260K's ``padding_token_id`` = 0xFFFFFFFF) are treated
@@ -52,8 +56,10 @@ import numpy as np
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..models.arch import tensor_specs
 from ..models.config import ModelConfig
+from ..models.families import BY_GGUF_ARCH, BY_MODEL_TYPE, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from ..source import LazyTensors, ModelSource
 from . import config_from_dict
+from .fused import split_fused
 from .gguf_file import GGUFFile, GGUFTensorInfo
 
 log = logging.getLogger(__name__)
@@ -68,41 +74,12 @@ __all__ = [
     "read_gguf",
 ]
 
-#: general.architecture -> HF model_type.
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
-
 #: End-of-generation tokens llama.cpp recognises by their text (llama-vocab.cpp, the
 #: ``special_eog_ids`` list; ggml-org/llama.cpp#9606), used as extra EOS ids.
 EOG_TOKEN_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
 )
-
-#: GGUF per-layer tensor suffix -> HF per-layer suffix (``blk.N.`` -> ``model.layers.N.``).
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",  # gemma3: pre_feedforward_layernorm (below)
-    "post_attention_norm": "post_attention_layernorm",  # gemma3 sandwich norms
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-#: Per-architecture overrides of :data:`_LAYER_NAMES` (gguf-py tensor_mapping.py:
-#: FFN_PRE_NORM and FFN_NORM share the name ``ffn_norm``; ATTN_POST_NORM is
-#: ``post_attention_norm``).
-_ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 # ---- metadata -> config ------------------------------------------------------------------
 def _scalar(v: Any, key: str, where: Path) -> Any:
@@ -125,16 +102,17 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
     """HF-style ``config.json`` dict built from a GGUF's metadata and tensor table.
 
     Raises:
-        UnsupportedModelError: architecture other than llama / qwen2 / gemma3, or
+        UnsupportedModelError: an architecture no family reads (``BY_GGUF_ARCH``), or
             per-layer varying sizes, or llama3 RoPE factors that match no HF rule.
         ModelFormatError: a required key (``{arch}.embedding_length`` …) is missing.
     """
     md = g.metadata
     arch = md.get("general.architecture")
-    if arch not in ARCH_TO_MODEL_TYPE:
+    fam = BY_GGUF_ARCH.get(arch)
+    if fam is None:
         raise UnsupportedModelError(
             f"{g.path}: GGUF architecture {arch!r} is not supported; edgeinfer reads "
-            f"{', '.join(sorted(ARCH_TO_MODEL_TYPE))} GGUFs"
+            f"{', '.join(sorted(BY_GGUF_ARCH))} GGUFs"
         )
 
     def need(key: str) -> Any:
@@ -159,7 +137,7 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
     if head_dim is None:
         head_dim = hidden // heads
     d: dict[str, Any] = {
-        "model_type": ARCH_TO_MODEL_TYPE[arch],
+        "model_type": fam.gguf_model_type,
         "vocab_size": n_vocab,
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -172,7 +150,6 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": int(opt("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
-        "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
     }
     if rope_dims is not None and int(rope_dims) != int(head_dim):
         d["partial_rotary_factor"] = int(rope_dims) / int(head_dim)
@@ -195,34 +172,32 @@ def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
                 if v is not None:
                     rs[k_hf] = float(v)
         d["rope_scaling"] = rs
-    elif scaling not in (None, "none", "linear", "yarn"):
+    elif scaling not in (None, "none", "linear", "yarn", "longrope"):  # longrope: fixups
         raise UnsupportedModelError(f"{g.path}: rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in g.tensors:
         d["rope_scaling"] = _llama3_scaling(g, d, opt("rope.scaling.original_context_length"))
 
-    if arch == "gemma3":
-        n_layers = d["num_hidden_layers"]
-        window = opt("attention.sliding_window")
-        pattern = md.get(f"{arch}.attention.sliding_window_pattern", 6)
-        if isinstance(pattern, list):  # newer converters: one bool per layer (True = SWA)
-            types = ["sliding_attention" if p else "full_attention" for p in pattern]
-        else:  # llama.cpp set_swa_pattern(6): every 6th layer is global
-            types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
-                     for i in range(n_layers)]
-        if window:
-            d["sliding_window"] = int(window)
-            d["layer_types"] = types
-        d["rope_local_base_freq"] = float(opt("rope.freq_base_swa", 10000.0))
-        # llama.cpp (llama-model.cpp, LLM_ARCH_GEMMA3): 1/sqrt(head_dim), except 27B
-        # (62 layers) which uses 1/sqrt(hidden/heads) -- gemma_pytorch config.py. An int, as
-        # HF's Gemma3TextConfig declares it (its strict config rejects 256.0).
-        d["query_pre_attn_scalar"] = (hidden // heads if n_layers == 62 else int(head_dim))
-        for k_gguf, k_hf in (("final_logit_softcapping", "final_logit_softcapping"),
-                             ("attn_logit_softcapping", "attn_logit_softcapping")):
-            v = opt(k_gguf)
-            if v:
-                d[k_hf] = float(v)
+    if fam.gguf_fixup is not None:
+        try:
+            fam.gguf_fixup(_Meta(g, arch, opt), d)
+        except ValueError as e:
+            raise ModelFormatError(f"{g.path}: {e}") from None
     return d
+
+
+class _Meta:
+    """What a family's ``gguf_fixup`` reads: ``opt`` (``{arch}.key``, uniform per layer),
+    ``raw`` (``{arch}.key`` as stored) and ``tensor`` (float32 array or None)."""
+
+    def __init__(self, g: GGUFFile, arch: str, opt: Callable[..., Any]):
+        self._g, self._arch, self.opt = g, arch, opt
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return self._g.metadata.get(f"{self._arch}.{key}", default)
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        info = self._g.tensors.get(name)
+        return None if info is None else self._g.dequantize(info)
 
 
 def _llama3_scaling(g: GGUFFile, d: dict, orig_ctx: Any) -> dict:
@@ -250,13 +225,14 @@ def _llama3_scaling(g: GGUFFile, d: dict, orig_ctx: Any) -> dict:
 
 
 def hf_tensor_name(name: str, arch: str) -> str | None:
-    """Canonical HF name of a GGUF tensor name, or None if it has no HF counterpart."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    """Canonical HF name of a GGUF tensor name, or None if it has no HF counterpart (fused
+    tensors get their HF fused name, split later)."""
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
-        table = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-        hf = table.get(parts[2])
+        fam = BY_GGUF_ARCH.get(arch)
+        hf = (fam.gguf_layer_names.get(parts[2]) if fam else None) or GGUF_LAYER_NAMES.get(parts[2])
         if hf is not None:
             return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
     return None
@@ -285,14 +261,15 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
         ModelFormatError: a tensor this config does not use (metadata/weights disagree).
     """
     arch = g.metadata["general.architecture"]
+    fam = BY_MODEL_TYPE[config.model_type]
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     unknown: list[str] = []
     permute_heads: dict[str, int] = {}
-    if arch == "llama":
+    if fam.gguf_permute_qk:
         permute_heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, info in g.tensors.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or name in fam.gguf_config_tensors:
             continue  # folded into config.rope_scaling
         hf = hf_tensor_name(name, arch)
         if hf is None:
@@ -302,7 +279,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
         proj = hf.split(".")[-2]
         if proj in permute_heads:
             post.append(lambda w, h=permute_heads[proj]: _unpermute_rows(w, h))
-        if arch == "gemma3" and hf.endswith("norm.weight"):
+        if fam.gguf_norm_plus_one and hf.endswith("norm.weight"):
             post.append(lambda w: w - np.float32(1.0))
 
         def load(info=info, post=post):
@@ -318,6 +295,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
             f"{g.path}: tensor(s) {', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''} have "
             f"no counterpart in edgeinfer's {arch} architecture; refusing to drop weights silently"
         )
+    split_fused(config, loaders, shapes, str(g.path))  # e.g. phi3's attn_qkv, ffn_up
     expected = {s.name for s in tensor_specs(config)}
     extra = sorted(n for n in loaders if n not in expected)
     if extra:
@@ -331,7 +309,7 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
     """Read a GGUF file into a validated, lazily dequantized :class:`ModelSource`.
 
     Args:
-        path: a ``.gguf`` file (llama, qwen2 or gemma3 architecture).
+        path: a ``.gguf`` file of an architecture in :mod:`edgeinfer.models.families`.
 
     Returns:
         ModelSource with ``format="gguf"``: canonical HF tensor names, float32 arrays in HF

@@ -43,6 +43,7 @@ from ..errors import ModelFormatError, UnsupportedModelError
 from ..models.arch import tensor_specs
 from ..source import LazyTensors, ModelSource
 from . import config_from_dict
+from .fused import split_fused
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +340,7 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
     dtypes: dict[str, int] = {}
     for name, f in where.items():
         dtypes[f.meta[name][0]] = dtypes.get(f.meta[name][0], 0) + 1
+    split_fused(config, loaders, shapes, str(folder))  # e.g. Phi-3's qkv_proj, gate_up_proj
 
     if config.tie_word_embeddings:
         if "lm_head.weight" in loaders:
