@@ -76,3 +76,31 @@ def test_a_runtime_loaded_earlier_keeps_its_default_and_the_record_says_so():
     assert r["idle_frac"] > 0.15, r
     assert r["environ_unchanged"], r
     assert r["child"] == "<unset>", r
+
+
+PATHS = r"""
+import json
+from edgeinfer.backends.cpu import _simd, gemv, kernel_paths
+print(json.dumps({**kernel_paths(), "simd_kernel": gemv.q4_rows4 is _simd.SIMD_ROWS[(4, 4)]}))
+"""
+
+
+def _paths(**env_extra) -> dict:
+    env = dict(os.environ, **env_extra)
+    r = subprocess.run([sys.executable, "-c", PATHS], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_paths_report_what_was_chosen():
+    import llvmlite.binding as llb
+
+    p = _paths()
+    assert p["gemv"] == ("avx2" if p["simd_kernel"] else "portable")
+    assert p["numba"] == llb.get_host_cpu_name()
+    assert p["gemm"].startswith("openblas:") and len(p["gemm"]) > len("openblas:")
+    # the values follow the runtime's own choice, not a constant: force other choices
+    forced = _paths(OPENBLAS_CORETYPE="Nehalem", NUMBA_CPU_NAME="generic")
+    assert forced["gemm"] == "openblas:Nehalem"
+    assert forced["numba"] == "generic"
