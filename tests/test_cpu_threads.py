@@ -1,5 +1,6 @@
-"""The CPU backend's OpenMP wait policy: applied to our own pool, never left in the
-environment (os.environ, a child process's), and recorded truthfully.
+"""What the CPU backend runs under: its OpenMP wait policy (applied to our own pool,
+never left in the environment, os.environ or a child process's, and recorded
+truthfully) and the instruction path of each kernel family.
 
 Each case runs in a fresh process (the policy is fixed when the OpenMP runtime loads).
 The measure: CPU time the process burns while its main thread sleeps right after a
