@@ -324,8 +324,9 @@ def worker(a) -> None:
         for op in ("decoder_block", "embed_step", "norm_logits"):
             setattr(CpuBackend, op, getattr(Backend, op))
     src = read_eif(a.eif)
-    model = Transformer(src.config, src.tensors, CpuBackend(threads=threads),
-                        a.prompt + a.gen + 16)
+    # positions: the run's, or the profiles' (up to 3 x 40 steps after the prompt)
+    table = a.prompt + max(a.gen, 130 if a.profile else 0) + 16
+    model = Transformer(src.config, src.tensors, CpuBackend(threads=threads), table)
     r = run_ours(model, a.prompt, a.gen, a.kv)
     print(json.dumps({**r, "threads": model.backend.threads, "weight_bytes": weight_bytes(model),
                       "threading": threading_info()._asdict(), "isa": kernel_paths()}))
@@ -370,12 +371,13 @@ def bench_model(name: str, a, env: dict[str, str], threads: int,
     ours, peers = [], {kind: [] for kind, _ in files}
     args = ["--eif", str(eif), "--prompt", str(a.prompt), "--gen", str(a.gen),
             "--threads", str(threads), "--kv", a.kv] + (["--compose"] if a.compose else [])
+    extra: list[dict] = []
     load_before = [round(x, 2) for x in os.getloadavg()]
     for i in range(a.runs):
         last = i == a.runs - 1 and a.profile
         res = _worker("ours", args + (["--profile"] if last else []), env)
         ours.append(res[0])
-        extra = res[1:]
+        extra += res[1:]
         for kind, path in files if error is None else ():
             try:
                 peers[kind].append(peer.run_peer(path, a.prompt, a.gen, threads, env,
@@ -450,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", choices=("probe", "ours", "kernels"), help=argparse.SUPPRESS)
     ap.add_argument("--eif", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error("--runs must be >= 1")
     if a.worker:
         worker(a)
         return 0

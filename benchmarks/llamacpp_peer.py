@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-PEER = Path(os.environ.get("EDGEINFER_PEER_BENCH", "/work/shared/peer/peer_bench.py"))
+PEER = Path("/work/shared/peer/peer_bench.py")
 REBUILD = "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36"
 #: llama.cpp's ``enum llama_ftype`` values (include/llama.h)
 FTYPE_ALL_F32, FTYPE_Q4_0 = 0, 2

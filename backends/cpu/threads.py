@@ -14,15 +14,19 @@ call). So :func:`start_threads` puts ``OMP_WAIT_POLICY=PASSIVE`` in the environm
 for exactly that call and removes it right after: the pool keeps PASSIVE, while
 ``os.environ`` (and so every subprocess, e.g. llama.cpp in the benchmark) is left as the
 user had it. It applies nothing when the user set ``OMP_WAIT_POLICY`` (their value wins)
-or when an OpenMP runtime was already loaded (its policy was fixed then); the record
-says which of these happened.
+or when the runtime Numba will run on was already loaded, its policy fixed then (e.g.
+torch imported first: its own libgomp sits in the global symbol scope and Numba binds to
+it); the record says which of these happened.
 
 The window in which the variable is set is one library load; a subprocess started by
 another thread inside that window would inherit it (edgeinfer starts none).
 """
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import os
+import struct
 import threading
 from typing import NamedTuple
 
@@ -30,7 +34,7 @@ from typing import NamedTuple
 DEFAULT_WAIT_POLICY = "PASSIVE"
 _VAR = "OMP_WAIT_POLICY"
 #: OpenMP runtimes that read OMP_WAIT_POLICY when loaded (GNU, LLVM, Intel).
-_OMP_LIBS = ("libgomp", "libomp.so", "libiomp5")
+_OMP_LIBS = ("libgomp", "libomp", "libiomp5")
 
 
 class ThreadingInfo(NamedTuple):
@@ -53,13 +57,52 @@ _INFO: ThreadingInfo | None = None
 _LOCK = threading.Lock()
 
 
+def elf_needed(path: str) -> list[str]:
+    """The DT_NEEDED names of a little-endian ELF64 shared object ([] if not one)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:6] != b"\x7fELF\x02\x01":
+        return []
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    out = []
+    for _, sh_type, _, _, off, size, link, _, _, _ in secs:
+        if sh_type != 6:  # SHT_DYNAMIC; its sh_link is the string table
+            continue
+        stroff = secs[link][4]
+        for j in range(0, size, 16):
+            tag, val = struct.unpack_from("<qQ", data, off + j)
+            if tag == 1:  # DT_NEEDED
+                out.append(data[stroff + val:data.index(b"\0", stroff + val)].decode())
+    return out
+
+
 def _omp_runtime_loaded() -> bool:
-    """True when an OpenMP runtime is already mapped into this process (Linux; else False)."""
+    """True when Numba's parallel regions would run on an OpenMP runtime that is already
+    loaded (its policy is then fixed): one in the global symbol scope (e.g. torch's own
+    ``libgomp``, loaded ``RTLD_GLOBAL`` with ``libtorch_global_deps``: Numba's ``omppool``
+    binds to it), or the very file ``omppool`` links (``dlopen(RTLD_NOLOAD)`` matches a
+    loaded object by name or file)."""
     try:
-        with open("/proc/self/maps") as f:
-            return any(lib in line for line in f for lib in _OMP_LIBS)
-    except OSError:
+        ctypes.CDLL(None).omp_get_num_threads  # noqa: B018 (dlsym in the global scope)
+        return True
+    except (AttributeError, OSError):
+        pass
+    spec = importlib.util.find_spec("numba.np.ufunc.omppool")
+    if spec is None or not spec.origin or not hasattr(os, "RTLD_NOLOAD"):
         return False
+    try:
+        names = [n for n in elf_needed(spec.origin) if n.startswith(_OMP_LIBS)]
+    except (OSError, struct.error, ValueError, IndexError, UnicodeDecodeError):
+        return False
+    for name in names:
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def start_threads() -> ThreadingInfo:
