@@ -85,9 +85,9 @@ def _omp_runtime_loaded() -> bool:
     binds to it), or the very file ``omppool`` links (``dlopen(RTLD_NOLOAD)`` matches a
     loaded object by name or file)."""
     try:
-        ctypes.CDLL(None).omp_get_num_threads  # noqa: B018 (dlsym in the global scope)
-        return True
-    except (AttributeError, OSError):
+        if hasattr(ctypes.CDLL(None), "omp_get_num_threads"):  # dlsym in the global scope
+            return True
+    except OSError:
         pass
     spec = importlib.util.find_spec("numba.np.ufunc.omppool")
     if spec is None or not spec.origin or not hasattr(os, "RTLD_NOLOAD"):
