@@ -59,6 +59,15 @@ def _failure(what: str, r: subprocess.CompletedProcess) -> PeerError:
     return PeerError(f"{what}: exit status {r.returncode}\n{tail}")
 
 
+def _publish(tmp: str, out: Path) -> None:
+    """Rename the finished temporary file to ``out`` with the umask's ordinary file mode
+    (``mkstemp`` makes 0600)."""
+    um = os.umask(0)
+    os.umask(um)
+    os.chmod(tmp, 0o666 & ~um)
+    os.replace(tmp, out)
+
+
 def f32_gguf(src: Path, out: Path) -> Path:
     """Write ``src`` dequantized to float32 as the GGUF ``out`` (skipped when it exists).
 
@@ -94,7 +103,7 @@ def f32_gguf(src: Path, out: Path) -> Path:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, out)
+        _publish(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -126,7 +135,7 @@ def q4_0_gguf(f32: Path, out: Path, env: dict[str, str]) -> Path:
                            check=False)
         if r.returncode != 0:
             raise _failure(f"quantizing {f32.name} to Q4_0", r)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
