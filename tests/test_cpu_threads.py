@@ -4,8 +4,10 @@ truthfully) and the instruction path of each kernel family.
 
 Each case runs in a fresh process (the policy is fixed when the OpenMP runtime loads).
 The measure: CPU time the process burns while its main thread sleeps right after a
-parallel kernel, as a fraction of the sleep. Sleeping (PASSIVE) workers burn ~0; libgomp's
-default spins a few ms after each region, ACTIVE the whole sleep.
+parallel kernel, as a fraction of the sleep. Sleeping (PASSIVE) workers burn ~0 (measured
+0.004-0.006 at load 4-11 on 2 cores); libgomp's default spins a few ms after each region
+(0.27-0.44), ACTIVE the whole sleep (1.0 on a quiet machine). A spinning worker only gets
+its share of a loaded machine's cores (~2 / load), so the spin bounds are set low.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def _run(mode: str, **env_extra) -> dict:
 def test_default_policy_is_passive_for_our_pool_and_absent_from_the_environment():
     r = _run("clean")
     assert r["info"] == ["omp", "PASSIVE", "edgeinfer"]
-    assert r["idle_frac"] < 0.05, r  # workers sleep between regions
+    assert r["idle_frac"] < 0.025, r  # workers sleep between regions
     assert r["environ_unchanged"], r
     assert r["child"] == "<unset>", r
 
@@ -71,7 +73,7 @@ def test_a_runtime_loaded_earlier_keeps_its_default_and_the_record_says_so(first
         pytest.importorskip("torch")
     r = _run(first)
     assert r["info"] == ["omp", "default", "preloaded"]
-    assert r["idle_frac"] > 0.15, r
+    assert r["idle_frac"] > 0.05, r
     assert r["environ_unchanged"], r
     assert r["child"] == "<unset>", r
 
@@ -80,7 +82,7 @@ def test_users_policy_wins_and_passes_through_unchanged():
     # positive control of the measure: spinning workers show up as idle CPU time
     r = _run("clean", OMP_WAIT_POLICY="active")
     assert r["info"] == ["omp", "ACTIVE", "environment"]
-    assert r["idle_frac"] > 0.15, r
+    assert r["idle_frac"] > 0.05, r
     assert r["environ_unchanged"], r
     assert r["child"] == "active", r
 
