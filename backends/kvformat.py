@@ -4,6 +4,15 @@ The one source of truth for :mod:`.kvcache` (host storage), :mod:`.cpu.kvquant` 
 ``opencl/attention_q.cl`` (kernels, tested bit-exact or float32-tight against these
 helpers); tests re-implement the formulas independently and compare exactly.
 
+Reproducibility: the format fixes every rounding except the order of the G-term sums
+of the K rotation. numpy's ``@`` follows the BLAS kernel the CPU dispatches to (and the
+array's shape), an OpenCL kernel its loop and the compiler's FMA contraction, so two
+correct implementations store different bits where a rotated value lies within float32
+evaluation error of a rounding boundary (an f16 scale one ulp apart moves a group's
+keys and the attention output by ~1e-4). ``tests/kv_admissible.py`` checks that every
+stored value is *some* float32 evaluation of the format; V and everything else are one
+IEEE operation per value and match bit for bit.
+
 Notation, per layer, position ``p`` and KV head ``h``: ``x = k[p, h, :]`` or
 ``v[p, h, :]`` float32 ``[hd]``. ``G = kv_group_size(hd)`` = the largest power of two
 that divides ``hd``, capped at 32 (hd 64 -> 32, hd 80 -> 16, hd 8 -> 8); groups are

@@ -1,109 +1,102 @@
-"""CPU backend vs llama.cpp, side by side in one run, plus kernel GB/s and start-up time.
+"""CPU backend vs llama.cpp, each side in its own clean process, plus kernel GB/s and
+start-up time.
 
 usage:
   python benchmarks/bench_cpu.py [--model smollm2|qwen|PATH.gguf ...] [--runs 3]
-        [--prompt 256] [--gen 128] [--threads 2] [--group 128] [--head-bits 8]
-        [--kv int8|f16|int4|k8v4|f32] [--kernels] [--profile] [--startup] [--no-peer]
-        [--compose]
+        [--prompt 256] [--gen 128] [--threads N] [--wait-policy PASSIVE|ACTIVE]
+        [--peer q4_0 catalog] [--group 128] [--head-bits 8] [--kv int8|f16|int4|k8v4|f32]
+        [--kernels] [--profile] [--startup] [--no-peer] [--compose]
 
-Our side: the GGUF is dequantized to float32 and RTN-quantized in-process to INT4
-(asymmetric, ``--group``), embeddings / output head to ``--head-bits`` (8: per-row
-int8), KV cache ``--kv`` (default int8, the engine default; llama.cpp uses f16). llama.cpp's side: ``/work/shared/peer/peer_bench.py`` on the same GGUF in a
-subprocess (its own quantization, e.g. Q4_1 / Q4_K_M). Same threads, same random
-prompt, median of ``--runs`` interleaved runs; prints one JSON line per model with
-tokens/s, the ratios, and our decode's achieved GB/s of weights streamed per token.
+Fairness:
+
+* Every measured process (ours, llama.cpp's) gets exactly the environment this script was
+  started with, captured before anything of edgeinfer is imported (:data:`USER_ENV`),
+  plus only the tuning asked for both sides (``--wait-policy`` sets ``OMP_WAIT_POLICY``
+  for both; ``--threads`` is both sides' thread count, default: our backend's default,
+  the physical cores). Nothing edgeinfer sets reaches the peer.
+* Same baseline weights: the catalog GGUF dequantized to float32. Ours: RTN INT4
+  (asymmetric, ``--group``), embeddings / head at ``--head-bits`` (8: per-row int8), KV
+  cache ``--kv`` (default int8, the engine's), cached as an ``.eif``. llama.cpp's:
+  ``--peer q4_0``, its fastest 4-bit format, quantized by llama.cpp from an F32 GGUF of
+  the same weights (:mod:`llamacpp_peer`), and ``catalog``, the GGUF as downloaded.
+* Runs interleaved (ours, then each peer file, ``--runs`` times), each a fresh process
+  (``peer_bench.py`` for llama.cpp); medians.
+
+Prints one JSON line per model: the machine (``cpu``, ``cpu_flags``, ``isa``: the
+instruction path each of our kernel families took, ``threads``, ``wait_policy``,
+``load_before`` / ``load_after``, ``read_GBps``: read bandwidth measured in this run),
+the first ``--peer`` file (``peer_gguf``, ``peer_format``, ``llamacpp_*_tok_s``), ours
+(``ours_*_tok_s``), ``ratio_prefill`` / ``ratio_decode`` (ours / llama.cpp), the other
+peer files under ``other_peers``. Exit status 2 when llama.cpp could not run.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import numpy as np
+#: This process's environment as started, before edgeinfer (or numpy) is imported: what
+#: every measured process gets (see the module docstring).
+USER_ENV = dict(os.environ)
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_peer as peer  # noqa: E402
 
 MODELS = {
     "smollm2": "smollm2-135m-instruct",
     "qwen": "qwen2.5-coder-0.5b-instruct",
 }
-PEER = Path("/work/shared/peer/peer_bench.py")
-BANDWIDTH_GBPS = 16.0  # sustained 2-thread read bandwidth on this machine kind (PERF-NOTES)
+_SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+               "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 def gguf_path(name: str) -> Path:
-    """A catalog name (``smollm2``/``qwen``) or a path -> local GGUF file."""
+    """A catalog name (``smollm2``/``qwen``) or a path -> local GGUF file (pulled if needed)."""
     if name in MODELS:
-        try:
-            from edgeinfer.catalog import model_path
-            p = Path(model_path(MODELS[name]))
-        except (ImportError, AttributeError, KeyError, ValueError, TypeError):
-            # catalog API in flux: fall back to its cache folder
-            p = Path.home() / ".cache" / "edgeinfer" / "models" / f"{MODELS[name]}.gguf"
-        if not p.exists():
-            from edgeinfer.catalog import pull
-            p = Path(pull(MODELS[name]))
-        return p
+        from edgeinfer.catalog import model_path, pull
+        p = Path(model_path(MODELS[name]))
+        return p if p.exists() else Path(pull(MODELS[name]))
     return Path(name)
 
 
-def load_gguf_f32(path: Path):
-    """(ModelConfig, {canonical name: float32 array}) from a GGUF, fully dequantized."""
-    from edgeinfer.models.config import ModelConfig
-
-    from edgeinfer.readers.gguf import (
-        GGUFFile,
-        _unpermute_rows,
-        gguf_config_dict,
-        hf_tensor_name,
-    )
-    g = GGUFFile(path)
-    cfg = ModelConfig.from_hf_dict(gguf_config_dict(g))
-    arch = g.metadata["general.architecture"]
-    perm = ({"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-            if arch == "llama" else {})
-    tensors = {}
-    for name, info in g.tensors.items():
-        hf = hf_tensor_name(name, arch)
-        if hf is None:
-            continue
-        w = np.asarray(g.dequantize(info), np.float32)
-        proj = hf.split(".")[-2]
-        if proj in perm:
-            w = _unpermute_rows(w, perm[proj])
-        tensors[hf] = w
-    return cfg, tensors
+def cpu_model() -> tuple[str, list[str]]:
+    """(model name, the SIMD flags of :data:`_SIMD_FLAGS` it has) from /proc/cpuinfo."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(val.split())
+    except OSError:
+        import platform
+        name = platform.processor()
+    return name or "unknown", [f for f in _SIMD_FLAGS if f in flags]
 
 
 def rtn(w: np.ndarray, bits: int, group: int):
-    """RTN through edgeinfer.quant when present, else a local asymmetric/per-row version."""
-    try:
-        from edgeinfer.quant.rtn import quantize_rtn
-        return quantize_rtn(w, bits=bits, group_size=group)
-    except ImportError:
-        from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
-        out, n = w.shape
-        if bits == 8:
-            s = np.maximum(np.abs(w).max(1, keepdims=True) / 127, 1e-8).astype(np.float16)
-            q = np.clip(np.round(w / s.astype(np.float32)), -127, 127).astype(np.int8)
-            return QuantizedTensor(q, s, None, 8, n, n)
-        kp = -(-n // group) * group
-        wg = np.pad(w, ((0, 0), (0, kp - n))).reshape(out, -1, group)
-        lo, hi = np.minimum(wg.min(-1), 0), np.maximum(wg.max(-1), 0)
-        s = np.maximum((hi - lo) / 15, 1e-8).astype(np.float16)
-        z = np.clip(np.round(-lo / s.astype(np.float32)), 0, 15)
-        q = np.clip(np.round(wg / s.astype(np.float32)[..., None]) + z[..., None], 0, 15)
-        return QuantizedTensor(pack_nibbles(q.astype(np.uint8).reshape(out, kp)), s,
-                               pack_nibbles(z.astype(np.uint8)), 4, group, n)
+    """edgeinfer's RTN (asymmetric for 4 bits, symmetric per row for 8 with group -1)."""
+    from edgeinfer.quant.rtn import quantize_rtn
+    return quantize_rtn(w, bits=bits, group_size=group)
 
 
-def quantize_model(tensors: dict, group: int, head_bits: int) -> dict:
+def quantize_model(tensors, group: int, head_bits: int) -> dict:
+    """Canonical name -> QuantizedTensor (2-D weights) or the float array (norms, biases)."""
     out = {}
-    for k, v in tensors.items():
+    for k in tensors:
+        v = tensors[k]
         if k in ("model.embed_tokens.weight", "lm_head.weight"):
             out[k] = (rtn(v, 8, -1) if head_bits == 8 else
                       rtn(v, 4, group) if head_bits == 4 else v)
@@ -114,6 +107,46 @@ def quantize_model(tensors: dict, group: int, head_bits: int) -> dict:
     return out
 
 
+def _file_key(path: Path) -> str:
+    """A short key of the file's identity (absolute path, size, mtime) for cache names."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
+def ours_eif(src: Path, group: int, head_bits: int) -> Path:
+    """Our model from ``src``'s weights (dequantized to float32, then :func:`quantize_model`)
+    as a cached ``.eif`` in :func:`llamacpp_peer.cache_dir` (written once)."""
+    from edgeinfer.container import write_eif
+    from edgeinfer.readers.gguf import read_gguf
+    out = peer.cache_dir() / f"{src.stem}-{_file_key(src)}-rtn-g{group}-h{head_bits}.eif"
+    if not out.exists():
+        s = read_gguf(src)
+        write_eif(out, s.config, quantize_model(s.tensors, group, head_bits),
+                  tokenizer_json=s.tokenizer_json, chat_template=s.chat_template,
+                  bos_token=s.bos_token, eos_token=s.eos_token, add_bos_token=s.add_bos_token,
+                  generation=s.generation,
+                  provenance={"source": str(src), "method": f"rtn g{group}, head {head_bits}"})
+    return out
+
+
+def peer_files(src: Path, kinds: list[str], env: dict[str, str]) -> list[tuple[str, Path]]:
+    """(kind, GGUF) for each of ``kinds``: ``q4_0`` (llama.cpp's Q4_0 of the F32 GGUF of
+    ``src``, both cached) or ``catalog`` (``src`` itself).
+
+    Raises:
+        PeerError: llama.cpp could not quantize.
+    """
+    out = []
+    for kind in kinds:
+        if kind == "catalog":
+            out.append((kind, src))
+        else:
+            stem = f"{src.stem}-{_file_key(src)}"
+            f32 = peer.f32_gguf(src, peer.cache_dir() / f"{stem}-f32.gguf")
+            out.append((kind, peer.q4_0_gguf(f32, peer.cache_dir() / f"{stem}-q4_0.gguf", env)))
+    return out
+
+
 def prompt_ids(vocab: int, n: int) -> np.ndarray:
     """The same pseudo-random prompt as peer_bench.py."""
     rng = np.random.default_rng(0)
@@ -121,17 +154,21 @@ def prompt_ids(vocab: int, n: int) -> np.ndarray:
 
 
 def run_ours(model, n_prompt: int, n_gen: int, kv: str = "f16") -> dict:
+    """One timed prefill of ``n_prompt`` tokens and ``n_gen`` greedy decode steps (after
+    a warm-up prefill and two decode steps, as llama.cpp's warm-up)."""
     ids = prompt_ids(model.cfg.vocab_size, n_prompt)
     cache = model.new_cache(n_prompt + n_gen + 8, kv)
-    model.forward(ids[:16], cache)  # warm-up (as the peer does)
+    ids1 = np.zeros(1, np.int32)
+    out = np.empty((1, model.cfg.vocab_size), np.float32)  # reused, as the engine does
+    model.forward(ids[:16], cache)  # warm-up: loads the compiled kernels of both paths
+    for _ in range(2):
+        model.forward(ids1, cache, out=out)
     cache.reset()
     t0 = time.perf_counter()
     logits = model.forward(ids, cache)
     t1 = time.perf_counter()
     tok = int(logits[-1].argmax())
     t2 = time.perf_counter()
-    ids1 = np.zeros(1, np.int32)
-    out = np.empty((1, model.cfg.vocab_size), np.float32)  # reused, as the engine does
     for _ in range(n_gen):
         ids1[0] = tok
         logits = model.forward(ids1, cache, out=out)
@@ -140,15 +177,36 @@ def run_ours(model, n_prompt: int, n_gen: int, kv: str = "f16") -> dict:
     return {"prefill_tok_s": n_prompt / (t1 - t0), "decode_tok_s": n_gen / (t3 - t2)}
 
 
-def run_peer(path: Path, n_prompt: int, n_gen: int, threads: int) -> dict | None:
-    """llama.cpp's numbers from peer_bench.py, or None (printed reason) if it cannot run,
-    e.g. SIGILL: the shared wheel was built with -march=native for another CPU."""
-    r = subprocess.run([sys.executable, str(PEER), str(path), str(n_prompt), str(n_gen),
-                        str(threads)], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        print(json.dumps({"peer_failed": r.returncode, "stderr": r.stderr[-300:]}))
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def read_bandwidth(threads: int, nbytes: int | None = None, passes: int = 5) -> float:
+    """Sustained read GB/s of this machine with ``threads`` threads: the best of
+    ``passes`` parallel sums over a buffer of ``nbytes`` (default: 4x the L3 cache, at
+    least 512 MiB), so that the caches cannot serve it."""
+    import numba
+    if nbytes is None:
+        l3 = 32 << 20
+        try:
+            txt = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+            l3 = int(txt[:-1]) << {"K": 10, "M": 20}[txt[-1]] if txt[-1] in "KM" else int(txt)
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        nbytes = max(512 << 20, 4 * l3)
+
+    @numba.njit(parallel=True)
+    def total(a):  # int64 adds vectorize (a float sum would be bound by add latency)
+        s = 0
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(nbytes // 8, np.int64)
+    numba.set_num_threads(threads)
+    total(a[:1024])
+    best = 0.0
+    for _ in range(passes):
+        t = time.perf_counter()
+        total(a)
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def weight_bytes(model) -> int:
@@ -159,125 +217,6 @@ def weight_bytes(model) -> int:
     def nb(w):
         return w.nbytes if isinstance(w, (CpuQuantWeight, np.ndarray)) else 0
     return sum(nb(lw[k]) for lw in model.layers for k in LINEAR_KEYS if k in lw) + nb(model.lm_head)
-
-
-def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
-    """Per-op wall time of decode steps (wrapping the backend's methods) vs the step time."""
-    be = model.backend
-    ids = prompt_ids(model.cfg.vocab_size, n_ctx)
-    cache = model.new_cache(n_ctx + 2 * steps + 4, kv)
-    model.forward(ids, cache)
-    ops = ["embed", "rmsnorm", "linear", "linear_many", "rope", "attention", "glu", "add",
-           "logits", "attention_input", "attention_output_mlp", "decoder_block", "embed_step",
-           "norm_logits"]
-    acc = {o: 0.0 for o in ops}
-    orig = {o: getattr(be, o) for o in ops}
-    depth = [0]
-
-    def wrap(o, f):  # outermost op only (logits / linear_many call linear)
-        def g(*a, **k):
-            depth[0] += 1
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    acc[o] += time.perf_counter() - t
-        return g
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        model.forward(np.array([5], np.int32), cache)
-    plain = (time.perf_counter() - t0) / steps
-    for o in ops:
-        setattr(be, o, wrap(o, orig[o]))
-    try:
-        for _ in range(steps):
-            model.forward(np.array([5], np.int32), cache)
-    finally:
-        for o in ops:
-            delattr(be, o)
-    per = {o: acc[o] / steps * 1e3 for o in ops}
-    # floor: the same linear kernels called back to back without the model's Python
-    from edgeinfer.backends.cpu import CpuQuantWeight
-    from edgeinfer.backends.cpu.gemv import gemv_quant
-    from edgeinfer.models.transformer import LINEAR_KEYS
-    ws = [lw[k] for lw in model.layers for k in LINEAR_KEYS if k in lw] + [model.lm_head]
-    xs = [np.random.default_rng(0).standard_normal(w.shape[1]).astype(np.float32) for w in ws]
-    ys = [np.empty(w.shape[0], np.float32) for w in ws]
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        for w, x, y in zip(ws, xs, ys):
-            if isinstance(w, CpuQuantWeight):
-                gemv_quant(y, x, w, None, be._act)
-            else:
-                np.dot(w, x, out=y)
-    floor = (time.perf_counter() - t0) / steps * 1e3
-    return {"step_ms": plain * 1e3, "ops_ms": {k: round(v, 3) for k, v in per.items()},
-            "linear_kernels_back_to_back_ms": round(floor, 3),
-            "python_outside_ops_ms": round(plain * 1e3 - sum(per.values()), 3)}
-
-
-def python_overhead(model, n_ctx: int, steps: int = 40, kv: str = "int8") -> dict:
-    """Python's share of a decode step: step time minus the same compiled-kernel calls
-    replayed back to back.
-
-    Every call from Python into a Numba dispatcher during ``steps`` decode steps is
-    recorded (dispatcher + arguments, by patching ``Dispatcher.__call__``), then
-    replayed in a tight loop with the same arrays. The replay is the kernels' own time
-    plus the unavoidable C-level dispatch; everything else in the step (the model's
-    and the backend's Python, numpy temporaries, ufunc ops) counts as overhead.
-    """
-    from numba.core.dispatcher import Dispatcher, _DispatcherBase
-    ids = prompt_ids(model.cfg.vocab_size, n_ctx)
-    cache = model.new_cache(n_ctx + 3 * steps + 4, kv)
-    model.forward(ids, cache)
-    tok = np.array([5], np.int32)
-    out = np.empty((1, model.cfg.vocab_size), np.float32)
-    for _ in range(3):
-        model.forward(tok, cache, out=out)
-    rec = []
-    orig = Dispatcher.__dict__.get("__call__")
-
-    def call(self, *a, **k):
-        rec.append((self, a, k))
-        return _DispatcherBase.__call__(self, *a, **k)
-
-    Dispatcher.__call__ = call
-    try:
-        model.forward(tok, cache, out=out)
-    finally:
-        if orig is None:
-            del Dispatcher.__call__
-        else:
-            Dispatcher.__call__ = orig
-    cache.length -= 1
-    # steps and replays interleaved, so that a burst of other load hits both alike
-    ts, cs, rs, rcs = [], [], [], []
-    for _ in range(steps):
-        n0 = cache.length
-        t0, c0 = time.perf_counter(), time.process_time()
-        model.forward(tok, cache, out=out)
-        ts.append(time.perf_counter() - t0)
-        cs.append(time.process_time() - c0)
-        cache.length = n0  # the same position each time, as the replay
-        t0, c0 = time.perf_counter(), time.process_time()
-        for d, a, k in rec:
-            d(*a, **k)
-        rs.append(time.perf_counter() - t0)
-        rcs.append(time.process_time() - c0)
-    step, kern = statistics.median(ts), statistics.median(rs)
-    cstep, ckern = statistics.median(cs), statistics.median(rcs)
-    # CPU time (both threads) is far less sensitive than wall time to other processes
-    # taking the cores: on a loaded machine read python_pct_cpu; the minima (least
-    # disturbed step vs least disturbed replay) are the most load-robust wall figure
-    return {"step_ms": round(step * 1e3, 3), "kernels_replayed_ms": round(kern * 1e3, 3),
-            "kernel_calls": len(rec), "python_ms": round((step - kern) * 1e3, 3),
-            "python_pct": round(100 * (step - kern) / step, 1),
-            "step_cpu_ms": round(cstep * 1e3, 3), "kernels_replayed_cpu_ms": round(ckern * 1e3, 3),
-            "python_pct_cpu": round(100 * (cstep - ckern) / cstep, 1),
-            "step_min_ms": round(min(ts) * 1e3, 3), "kernels_replayed_min_ms": round(min(rs) * 1e3, 3),
-            "python_pct_min": round(100 * (min(ts) - min(rs)) / min(ts), 1)}
 
 
 def bench_kernels(threads: int) -> list[dict]:
@@ -337,10 +276,11 @@ print(round(t1 - t0, 2), round(t2 - t1, 2))
 """
 
 
-def bench_startup() -> dict:
-    """First-run compile time (empty Numba cache) and cached start-up, in subprocesses."""
+def bench_startup(env: dict[str, str]) -> dict:
+    """First-run compile time (empty Numba cache) and cached start-up, in subprocesses
+    with ``env`` plus an empty ``NUMBA_CACHE_DIR``."""
     with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, NUMBA_CACHE_DIR=d)
+        env = dict(env, NUMBA_CACHE_DIR=d)
         res = []
         for _ in range(2):
             t = time.perf_counter()
@@ -352,13 +292,152 @@ def bench_startup() -> dict:
     return {"cold_compile": res[0], "cached": res[1]}
 
 
-def main(argv=None) -> None:
+# ---- the measured processes ------------------------------------------------------------
+def _worker(mode: str, args: list[str], env: dict[str, str]) -> list[dict]:
+    """Run this script's ``--worker mode`` in a fresh process with exactly ``env``; its
+    JSON lines."""
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", mode, *args],
+                       env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench_cpu --worker {mode} failed ({r.returncode}):\n"
+                           f"{r.stderr.strip()[-2000:]}")
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def worker(a) -> None:
+    """One measured process of ours (``--worker probe|ours|kernels``): prints JSON lines."""
+    from edgeinfer.backends.cpu import CpuBackend, kernel_paths, physical_cores, threading_info
+    threads = a.threads or physical_cores()
+    if a.worker == "probe":
+        print(json.dumps({"threads_default": physical_cores(),
+                          "threading": threading_info()._asdict(), "isa": kernel_paths(),
+                          "read_GBps": round(read_bandwidth(threads), 2)}))
+        return
+    if a.worker == "kernels":
+        for row in bench_kernels(threads):
+            print(json.dumps(row))
+        return
+    from edgeinfer.container import read_eif
+    from edgeinfer.models.transformer import Transformer
+    if a.compose:
+        from edgeinfer.backends.base import Backend
+        for op in ("decoder_block", "embed_step", "norm_logits"):
+            setattr(CpuBackend, op, getattr(Backend, op))
+    src = read_eif(a.eif)
+    # positions: the run's, or the profiles' (up to 3 x 40 steps after the prompt)
+    table = a.prompt + max(a.gen, 130 if a.profile else 0) + 16
+    model = Transformer(src.config, src.tensors, CpuBackend(threads=threads), table)
+    r = run_ours(model, a.prompt, a.gen, a.kv)
+    print(json.dumps({**r, "threads": model.backend.threads, "weight_bytes": weight_bytes(model),
+                      "threading": threading_info()._asdict(), "isa": kernel_paths()}))
+    if a.profile:
+        from cpu_profile import profile_step, python_overhead
+        print(json.dumps({"profile_ctx": a.prompt, **profile_step(model, a.prompt, kv=a.kv)}))
+        print(json.dumps({"python_overhead_ctx": a.prompt,
+                          **python_overhead(model, a.prompt, kv=a.kv)}))
+
+
+def _med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _peer_fields(kind: str, path: Path, runs: list[dict], ours: list[dict]) -> dict:
+    """The JSON fields of one peer file: its medians and ours / its ratios."""
+    pre, dec = _med(runs, "prefill_tok_s"), _med(runs, "decode_tok_s")
+    row = {"peer_gguf": str(path), "peer_format": f"{kind}: {peer.gguf_format(path)}",
+           "llamacpp_prefill_tok_s": pre, "llamacpp_decode_tok_s": dec,
+           "llamacpp_runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s")} for r in runs],
+           "ratio_prefill": round(_med(ours, "prefill_tok_s") / pre, 2),
+           "ratio_decode": round(_med(ours, "decode_tok_s") / dec, 2)}
+    # each of ours pairs with the peer run right after it: on a loaded machine the median
+    # of the per-pair ratios drifts less than the ratio of medians
+    for k in ("prefill", "decode"):
+        row[f"ratio_{k}_paired_median"] = round(statistics.median(
+            o[f"{k}_tok_s"] / p[f"{k}_tok_s"] for o, p in zip(ours, runs)), 2)
+    return row
+
+
+def bench_model(name: str, a, env: dict[str, str], threads: int,
+                probe: dict) -> tuple[dict, bool, list[dict]]:
+    """(the JSON row of one model, whether llama.cpp ran, the ``--profile`` rows)."""
+    src = gguf_path(name)
+    eif = ours_eif(src, a.group, a.head_bits)
+    files, error = [], None
+    if not a.no_peer:
+        try:
+            files = peer_files(src, a.peer, env)
+        except peer.PeerError as e:
+            error = str(e)
+    ours, peers = [], {kind: [] for kind, _ in files}
+    args = ["--eif", str(eif), "--prompt", str(a.prompt), "--gen", str(a.gen),
+            "--threads", str(threads), "--kv", a.kv] + (["--compose"] if a.compose else [])
+    extra: list[dict] = []
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    for i in range(a.runs):
+        last = i == a.runs - 1 and a.profile
+        res = _worker("ours", args + (["--profile"] if last else []), env)
+        ours.append(res[0])
+        extra += res[1:]
+        for kind, path in files if error is None else ():
+            try:
+                peers[kind].append(peer.run_peer(path, a.prompt, a.gen, threads, env,
+                                                 a.peer_script))
+            except peer.PeerError as e:
+                error = str(e)
+                break
+    load_after = [round(x, 2) for x in os.getloadavg()]
+    cpu, flags = cpu_model()
+    o = ours[0]
+    wb = o["weight_bytes"]
+    dec = _med(ours, "decode_tok_s")
+    row = {"model": src.name, "cpu": cpu, "cpu_flags": flags, "isa": o["isa"],
+           "threads": threads,
+           "wait_policy": {"ours": o["threading"]["wait_policy"],
+                           "ours_source": o["threading"]["source"],
+                           "llamacpp": env.get("OMP_WAIT_POLICY", "default")},
+           "load_before": load_before, "load_after": load_after,
+           "prompt": a.prompt, "gen": a.gen,
+           "ours_quant": f"int4 g{a.group} asym, head/embed {a.head_bits}-bit, kv {a.kv}",
+           "ours_eif": str(eif),
+           "ours_prefill_tok_s": round(_med(ours, "prefill_tok_s"), 1),
+           "ours_decode_tok_s": round(dec, 1),
+           "ours_runs": [{k: round(r[k], 1) for k in ("prefill_tok_s", "decode_tok_s")}
+                         for r in ours],
+           "ours_weight_MB_per_token": round(wb / 1e6, 1),
+           "ours_decode_GBps": round(wb * dec / 1e9, 2),
+           "read_GBps": probe["read_GBps"],
+           "ours_decode_frac_of_read": round(wb * dec / 1e9 / probe["read_GBps"], 2)}
+    done = [(k, p) for k, p in files if peers[k]]
+    if done:
+        row.update(_peer_fields(done[0][0], done[0][1], peers[done[0][0]], ours))
+        row["other_peers"] = [_peer_fields(k, p, peers[k], ours) for k, p in done[1:]]
+    if error is not None:
+        row["peer_error"] = error
+        print(error, file=sys.stderr)
+    return row, error is None, extra
+
+
+def _peer_script_default() -> Path:
+    """``peer_bench.py`` of ``shared/peer``: beside this clone, else /work/shared."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "peer" / "peer_bench.py"
+    return beside if beside.exists() else peer.PEER
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", nargs="*", default=["smollm2"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="both sides' threads (default: our backend's, the physical cores)")
+    ap.add_argument("--wait-policy", choices=("PASSIVE", "ACTIVE"), default=None,
+                    help="OMP_WAIT_POLICY for both sides (default: neither is told; ours "
+                         "then uses PASSIVE, llama.cpp its OpenMP runtime's default)")
+    ap.add_argument("--peer", nargs="*", default=["q4_0", "catalog"],
+                    choices=("q4_0", "catalog"), help="llama.cpp's files; the first is the "
+                    "top-level comparison")
+    ap.add_argument("--peer-script", type=Path, default=_peer_script_default())
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--head-bits", type=int, default=8, choices=(4, 8, 32))
     ap.add_argument("--kv", default="int8",
@@ -370,64 +449,33 @@ def main(argv=None) -> None:
     ap.add_argument("--compose", action="store_true",
                     help="A/B: decode through the contract's compositions of ops (the path "
                          "before the fused decoder_block / embed_step / norm_logits)")
+    ap.add_argument("--worker", choices=("probe", "ours", "kernels"), help=argparse.SUPPRESS)
+    ap.add_argument("--eif", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error("--runs must be >= 1")
+    if a.worker:
+        worker(a)
+        return 0
+    env = peer.peer_env(USER_ENV, a.wait_policy)
     if a.startup:
-        print(json.dumps({"startup": bench_startup()}))
+        print(json.dumps({"startup": bench_startup(env)}))
+    tune = ["--threads", str(a.threads)] if a.threads else []
+    probe = _worker("probe", tune, env)[0]
+    threads = a.threads or probe["threads_default"]
     if a.kernels:
-        for row in bench_kernels(a.threads):
+        for row in _worker("kernels", ["--threads", str(threads)], env):
             print(json.dumps(row))
-    from edgeinfer.backends.cpu import CpuBackend
-    from edgeinfer.models.transformer import Transformer
-    if a.compose:
-        from edgeinfer.backends.base import Backend
-        for op in ("decoder_block", "embed_step", "norm_logits"):
-            setattr(CpuBackend, op, getattr(Backend, op))
+    status = 0
     for name in a.model:
-        path = gguf_path(name)
-        cfg, dense = load_gguf_f32(path)
-        tensors = quantize_model(dense, a.group, a.head_bits)
-        del dense
-        model = Transformer(cfg, tensors, CpuBackend(threads=a.threads), a.prompt + a.gen + 16)
-        ours, peer = [], []
-        for _ in range(a.runs):
-            if not a.no_peer:
-                p = run_peer(path, a.prompt, a.gen, a.threads)
-                if p is None:
-                    a.no_peer = True
-                else:
-                    peer.append(p)
-            ours.append(run_ours(model, a.prompt, a.gen, a.kv))
-        med = {k: statistics.median(r[k] for r in ours) for k in ours[0]}
-        wb = weight_bytes(model)
-        row = {"model": path.name, "threads": a.threads, "prompt": a.prompt, "gen": a.gen,
-               "ours_quant": f"int4 g{a.group} asym, head/embed {a.head_bits}-bit, kv {a.kv}",
-               "ours_prefill_tok_s": round(med["prefill_tok_s"], 1),
-               "ours_decode_tok_s": round(med["decode_tok_s"], 1),
-               "ours_runs": [{k: round(v, 1) for k, v in r.items()} for r in ours],
-               "ours_weight_MB_per_token": round(wb / 1e6, 1),
-               "ours_decode_GBps": round(wb * med["decode_tok_s"] / 1e9, 2),
-               "ours_decode_frac_of_16GBps": round(wb * med["decode_tok_s"] / 1e9 / BANDWIDTH_GBPS, 2),
-               "loadavg_1min": round(os.getloadavg()[0], 1)}
-        if peer:
-            pm = {k: statistics.median(r[k] for r in peer) for k in ("prefill_tok_s", "decode_tok_s")}
-            row.update({"llamacpp_prefill_tok_s": pm["prefill_tok_s"],
-                        "llamacpp_decode_tok_s": pm["decode_tok_s"],
-                        "llamacpp_runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s")}
-                                          for r in peer],
-                        "ratio_prefill": round(med["prefill_tok_s"] / pm["prefill_tok_s"], 2),
-                        "ratio_decode": round(med["decode_tok_s"] / pm["decode_tok_s"], 2)})
-            # each run pairs one peer run with the ours run right after it: on a loaded
-            # machine the median of the per-pair ratios drifts less than the ratio of medians
-            for k in ("prefill", "decode"):
-                row[f"ratio_{k}_paired_median"] = round(statistics.median(
-                    o[f"{k}_tok_s"] / p[f"{k}_tok_s"] for o, p in zip(ours, peer)), 2)
-        print(json.dumps(row))
-        if a.profile:
-            print(json.dumps({"model": path.name, "profile_ctx": a.prompt,
-                              **profile_step(model, a.prompt, kv=a.kv)}))
-            print(json.dumps({"model": path.name, "python_overhead_ctx": a.prompt,
-                              **python_overhead(model, a.prompt, kv=a.kv)}))
+        row, peer_ok, extra = bench_model(name, a, env, threads, probe)
+        print(json.dumps(row), flush=True)
+        for e in extra:
+            print(json.dumps({"model": row["model"], **e}))
+        if not peer_ok:
+            status = 2
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

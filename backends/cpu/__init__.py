@@ -16,21 +16,22 @@ cache) or two (quantized cache) (:mod:`.decode`; dense float32 weights: BLAS GEM
 scratch, :mod:`.stepwise`); with :meth:`CpuBackend.embed_step` and
 :meth:`CpuBackend.norm_logits` (into the caller's buffer) a decode step allocates nothing.
 
-Threading: Numba's OpenMP pool (``OMP_WAIT_POLICY=PASSIVE`` by default, see below) for
-the decode kernels; a small Python thread pool with single-threaded OpenBLAS for the
-prefill GEMM (:mod:`.gemm`), so two spinning pools never fight over the cores.
+Threading: Numba's OpenMP pool for the decode kernels, started at import by
+:func:`.threads.start_threads` (workers sleep between regions, ``PASSIVE``, unless the
+user's ``OMP_WAIT_POLICY`` says otherwise; ``os.environ`` is left untouched); a small
+Python thread pool with single-threaded OpenBLAS for the prefill GEMM (:mod:`.gemm`), so
+two spinning pools never fight over the cores. :func:`kernel_paths` and
+:func:`.threads.threading_info` say what this process chose.
 """
 from __future__ import annotations
 
 import os
 
-# Numba's OpenMP workers sleep between parallel regions instead of spinning. Measured on
-# this 2-core machine kind with other processes competing (load ~12): a 0.5 MB GEMV took
-# 24 ms median with libgomp's default spin (the spinning worker burns the time slice its
-# partner needs), 58 us with PASSIVE; GOMP_SPINCOUNT=1000 gave 140 us. Must be set before
-# the threading layer starts (first parallel call in the process); an explicit
-# OMP_WAIT_POLICY=active in the environment (dedicated, quiet machine) wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from .threads import start_threads, threading_info
+
+# before any kernel can start the threading layer (see .threads: the wait policy is read
+# once, when the OpenMP runtime loads)
+start_threads()
 
 import numba
 import numpy as np
@@ -39,6 +40,7 @@ from ..base import Backend
 from ..kvcache import HostKVCache, _rotate
 from ..osmemory import ForwardReleaser, private_file_view, release_mapped_pages
 from ..quantized import QuantizedTensor
+from . import _simd
 from . import decode as _decode
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
@@ -53,12 +55,12 @@ from .elementwise import (
     rope_tokens_par,
 )
 from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
-from .gemm import GemmPool, gemm_dense, gemm_quant
+from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import _NO_BIAS, SERIAL_MAX_BYTES, ActScratch, gemv_quant
 from .kvquant import attention_q, attention_q_serial, decode_scratch_q, kv_write_q
 from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_view
 
-__all__ = ["CpuBackend", "CpuQuantWeight", "physical_cores"]
+__all__ = ["CpuBackend", "CpuQuantWeight", "kernel_paths", "physical_cores", "threading_info"]
 
 #: Token counts up to this use the integer GEMV once per token; above, dequant + BLAS.
 GEMV_MAX_T = 2
@@ -89,6 +91,19 @@ def physical_cores() -> int:
         except OSError:
             seen.add(str(c))
     return max(1, len(seen))
+
+
+def kernel_paths() -> dict[str, str]:
+    """The instruction path each kernel family took in this process, chosen at import.
+
+    ``gemv`` (decode integer dots, :mod:`._simd`): ``"avx2"`` or ``"portable"``;
+    ``gemm`` (prefill, :mod:`.gemm`): the BLAS library and the core its dispatch picked,
+    e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
+    (attention, elementwise, fused halves) for, e.g. ``"znver3"``.
+    """
+    import llvmlite.binding as llb
+    return {"gemv": "avx2" if _simd.HAVE_AVX2 else "portable", "gemm": blas_core(),
+            "numba": numba.config.CPU_NAME or llb.get_host_cpu_name()}
 
 
 def _is_gelu(act: str) -> bool:

@@ -29,18 +29,43 @@ from .repack import CpuQuantWeight
 MAX_TILE_ROWS = 256
 
 
-def _openblas_local_threads():
-    """``openblas_set_num_threads_local`` of numpy's bundled OpenBLAS, or None."""
+def _openblas_libs():
+    """ctypes handles of the OpenBLAS libraries numpy bundles (usually one)."""
     here = os.path.dirname(np.__file__)
     for pat in ("../numpy.libs/*openblas*.so*", ".dylibs/*openblas*.dylib", "../numpy.libs/*openblas*.dll"):
         for path in glob.glob(os.path.join(here, pat)):
             try:
-                fn = ctypes.CDLL(path).openblas_set_num_threads_local
-            except (OSError, AttributeError):
+                yield ctypes.CDLL(path)
+            except OSError:
                 continue
+
+
+def _openblas_local_threads():
+    """``openblas_set_num_threads_local`` of numpy's bundled OpenBLAS, or None."""
+    for lib in _openblas_libs():
+        fn = getattr(lib, "openblas_set_num_threads_local", None)
+        if fn is not None:
             fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
             return fn
     return None
+
+
+def blas_core() -> str:
+    """The BLAS behind the prefill sgemm and the kernel core its runtime dispatch chose,
+    e.g. ``"openblas:Haswell"`` (OpenBLAS ``get_corename``; scipy-openblas prefixes the
+    symbol); ``"blas:<numpy's build name>"`` when that cannot be asked."""
+    for lib in _openblas_libs():
+        for sym in ("openblas_get_corename", "scipy_openblas_get_corename64_",
+                    "scipy_openblas_get_corename"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [], ctypes.c_char_p
+                return "openblas:" + fn().decode("ascii", "replace").strip()
+    try:
+        name = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+    except (TypeError, KeyError, AttributeError):
+        name = "unknown"
+    return f"blas:{name}"
 
 
 _SET_LOCAL = _openblas_local_threads()

@@ -301,7 +301,8 @@ def scalar_arg_dtypes(src: str, name: str) -> list:
 
 
 # Extra compiler flags per kernel file. The quantized KV cache computes codes as
-# rint(y / s): a correctly rounded division makes them equal numpy's bit for bit.
+# rint(y / s): a correctly rounded division makes them equal numpy's bit for bit (the
+# K rotation's sums may still round differently at a boundary: see kvformat).
 _FILE_FLAGS = {"attention_q.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
 
 
