@@ -20,8 +20,8 @@ class ConfigError(ValueError):
 
 
 class UnsupportedConfigError(ConfigError):
-    """A valid config value that edgeinfer does not implement (architecture, RoPE scaling,
-    activation)."""
+    """A valid config value that edgeinfer does not implement (architecture, RoPE
+    scaling)."""
 
 
 #: Largest size accepted for any dimension (kernels index with int32).
@@ -117,7 +117,7 @@ class ModelConfig:
         try:
             activation(self.hidden_act)
         except ValueError as e:
-            raise UnsupportedConfigError(f"hidden_act: {e}") from None
+            raise ConfigError(f"hidden_act: {e}") from None
         if self.bos_token_id is not None and self.bos_token_id >= self.vocab_size:
             raise ConfigError(f"bos_token_id {self.bos_token_id} is not below vocab_size "
                               f"{self.vocab_size}")
@@ -200,7 +200,7 @@ class ModelConfig:
             ConfigError: a missing key, a value of the wrong type or out of range, or
                 inconsistent sizes (see :func:`_check_values`); sizes are checked before
                 a family fixup builds anything per layer.
-            UnsupportedConfigError: unknown ``model_type``, RoPE scaling or activation.
+            UnsupportedConfigError: unknown ``model_type`` or RoPE scaling.
         """
         if not isinstance(d, dict):
             raise ConfigError(f"the config is a {type(d).__name__}, not a JSON object")

@@ -205,7 +205,7 @@ def test_parse_json_controls():
     ({"tie_word_embeddings": "false"}, ModelFormatError, "tie_word_embeddings must be true or false"),
     ({"bos_token_id": 512}, ModelFormatError, "bos_token_id 512 is not below vocab_size 512"),
     ({"eos_token_id": "2"}, ModelFormatError, "eos_token_id must be"),
-    ({"hidden_act": "relu"}, UnsupportedModelError, "hidden_act: activation 'relu' is not supported"),
+    ({"hidden_act": "relu"}, ModelFormatError, "hidden_act: activation 'relu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedModelError, "yarn"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, ModelFormatError, "factor must be"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,

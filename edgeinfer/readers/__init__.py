@@ -103,7 +103,7 @@ def config_from_dict(d: dict[str, Any], where: str, extra_eos: list[int] | None 
         extra_eos: more EOS ids (generation config, tokenizer).
 
     Raises:
-        UnsupportedModelError: the ``model_type`` (or RoPE scaling, activation) is not one
+        UnsupportedModelError: the ``model_type`` (or the RoPE scaling) is not one
             edgeinfer implements.
         ModelFormatError: a required key is missing, a value has the wrong type or range
             (``num_key_value_heads`` 0, ``rope_theta`` <= 0, NaN ``rms_norm_eps`` ...), or
