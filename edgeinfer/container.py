@@ -21,9 +21,15 @@ Metadata (every value a string; the structured ones are JSON):
 
 Reading maps the file once (``mmap``) and builds every array with ``np.frombuffer`` at the
 header's offsets: no copy of the data at load (the CPU backend relies on it), and the
-arrays are read-only. Writing goes through :mod:`edgeinfer.safe_write`: a temporary file in
-the destination folder, renamed into place only when complete (an interrupted write never
-leaves half a file); an existing target is replaced only with ``overwrite``, an input never.
+arrays are read-only. Before that, everything is checked: the header
+(:mod:`edgeinfer.readers.safetensors_header`), the format version, every metadata JSON
+(bounded, no duplicate keys, of the expected type), the config against the tensors, each
+tensor's dtype for its role and packed layout, the tokenizer against the config; after
+it, one pass over the scales and dense float tensors for NaN/inf (refused) and all-zero
+scale rows (a warning). Writing goes through :mod:`edgeinfer.safe_write`: a temporary file
+in the destination folder, renamed into place only when complete (an interrupted write
+never leaves half a file); an existing target is replaced only with ``overwrite``, an
+input never.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ import numpy as np
 from .backends.quantized import SUPPORTED_BITS, QuantizedTensor
 from .errors import ModelFormatError
 from .models.config import ModelConfig
-from .readers.files import MAX_JSON_DEPTH, parse_json
+from .readers.files import MAX_JSON_DEPTH, check_template, parse_json
 from .readers.safetensors_header import SafetensorsHeader, read_header
 from .readers.tokenizer_files import check_tokenizer_json
 from .safe_write import atomic_output
@@ -341,7 +347,8 @@ def read_eif(path: str | os.PathLike) -> ModelSource:
         path=path, format="eif", config=config, tensors=tensors,
         shapes={k: tuple(v.shape) for k, v in tensors.items()},
         tokenizer_json=tokenizer_json,
-        chat_template=meta.get("chat_template") or None,
+        chat_template=check_template(meta.get("chat_template") or None,
+                                     f"{path}: metadata 'chat_template'"),
         bos_token=bos, eos_token=eos, add_bos_token=add_bos,
         generation=generation,
         provenance={**provenance, "quantization": quant,
@@ -377,7 +384,8 @@ def describe_eif(path: str | os.PathLike) -> dict:
         (embedding / attention / mlp / lm_head / other).
 
     Raises:
-        ModelFormatError: as :func:`read_eif` for foreign, newer or truncated files.
+        ModelFormatError: as :func:`read_eif` for foreign, newer or truncated files, a
+            malformed header, or malformed metadata.
     """
     path = os.fspath(path)
     header = _open_header(path)

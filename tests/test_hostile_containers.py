@@ -101,7 +101,7 @@ def test_gguf_duplicate_keys_and_header_limits(parts, tmp_path):
     ("llama.rope.dimension_count", U32, 7, r"RoPE needs a positive even number"),
     ("llama.block_count", U32, 10 ** 9, r"llama\.block_count = 1000000000 layers, but the file "
                                        r"has tensors for 5"),
-    ("tokenizer.chat_template", U32, 1, r"tokenizer\.chat_template is not a string"),
+    ("tokenizer.chat_template", U32, 1, r"tokenizer\.chat_template: the chat template is a int"),
     ("tokenizer.ggml.tokens", ARRAY, (U32, [1, 2]), r"tokenizer\.ggml\.tokens must be an array of "
                                                     r"strings"),
     ("tokenizer.ggml.scores", ARRAY, (F32, [0.0]), r"tokenizer\.ggml\.scores must be an array of 512"),
@@ -124,6 +124,15 @@ def test_gguf_architecture_and_vocabulary(parts, tmp_path):
     parts.set("tokenizer.ggml.scores", ARRAY, (F32, toks["tokenizer.ggml.scores"] + [0.0]))
     parts.set("tokenizer.ggml.token_type", ARRAY, (U32, toks["tokenizer.ggml.token_type"] + [1]))
     with pytest.raises(ModelFormatError, match=rf"has {n + 1} tokens but the embedding has {n} rows"):
+        _read(parts, tmp_path)
+
+
+def test_gguf_vocabulary_text_is_bounded(parts, tmp_path):
+    """The SentencePiece merge derivation costs a step per character of every token: one
+    token of 10^5 characters is refused before it runs."""
+    toks = GGUFFile(parts.write(tmp_path / "ok.gguf")).metadata["tokenizer.ggml.tokens"]
+    parts.set("tokenizer.ggml.tokens", ARRAY, (STRING, toks[:-1] + ["a" * 100_000]))
+    with pytest.raises(ModelFormatError, match=r"a token of 100000 characters"):
         _read(parts, tmp_path)
 
 

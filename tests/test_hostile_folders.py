@@ -287,6 +287,20 @@ def test_special_tokens_must_be_in_the_vocabulary(folder):
         read_model(folder)
 
 
+def test_chat_template_size_and_type(folder):
+    edit_json(folder / "tokenizer_config.json", chat_template="{{ x }}" * 700_000)
+    with pytest.raises(ModelFormatError, match=r"a chat template of 4900000 characters"):
+        read_model(folder)
+    edit_json(folder / "tokenizer_config.json", chat_template=5)
+    with pytest.raises(ModelFormatError, match=r"tokenizer_config\.json.*chat template must be"):
+        read_model(folder)
+    (folder / "chat_template.jinja").write_bytes(b"x" * (4 * 1024 * 1024 + 1))
+    with pytest.raises(ModelFormatError, match=r"chat_template\.jinja: 4194305 bytes, more than"):
+        read_model(folder)
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}")
+    assert read_model(folder).chat_template == "{{ bos_token }}"  # positive control
+
+
 def test_tokenizer_refused_by_the_library_is_a_model_error(folder):
     """What only ``tokenizers`` itself refuses (here a merge of unknown tokens) comes out of
     the model load as a ModelFormatError naming the folder, not a bare exception."""

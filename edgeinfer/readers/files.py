@@ -34,14 +34,16 @@ from typing import Any
 
 from ..errors import ModelFormatError
 
-__all__ = ["MAX_INT_DIGITS", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_TEXT_BYTES", "MAX_TOKENIZER_JSON_BYTES",
-           "folder_file", "model_root", "parse_json", "read_json", "read_text"]
+__all__ = ["MAX_INT_DIGITS", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_TEXT_BYTES",
+           "MAX_TOKENIZER_JSON_BYTES", "check_template", "folder_file", "model_root", "parse_json",
+           "read_json", "read_text"]
 
 #: Largest JSON file read from a model folder (config, index, tokenizer_config ...).
 MAX_JSON_BYTES = 64 * 1024 * 1024
 #: Largest ``tokenizer.json`` (Gemma 3's, 262k tokens, is 33 MB).
 MAX_TOKENIZER_JSON_BYTES = 512 * 1024 * 1024
-#: Largest text file read from a model folder (``chat_template.jinja``).
+#: Largest text file read from a model folder (``chat_template.jinja``), and the longest
+#: chat template accepted from any source (real ones are under 64 KB).
 MAX_TEXT_BYTES = 4 * 1024 * 1024
 #: Deepest nesting of a config-like JSON document (config, index, tokenizer_config,
 #: generation_config, .eif metadata; real files nest at most 4 levels). Values kept from
@@ -214,6 +216,24 @@ def read_text(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
     except UnicodeDecodeError as e:
         raise ModelFormatError(f"{path}: not UTF-8 text (byte {e.start}); fix or re-download "
                                f"the file") from None
+
+
+def check_template(text: Any, where: str) -> str | None:
+    """A chat template read from a model file: None, or a string of at most
+    :data:`MAX_TEXT_BYTES` characters.
+
+    Raises:
+        ModelFormatError: not a string, or longer than the limit.
+    """
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ModelFormatError(f"{where}: the chat template is a {type(text).__name__}, not a "
+                               f"string")
+    if len(text) > MAX_TEXT_BYTES:
+        raise ModelFormatError(f"{where}: a chat template of {len(text)} characters (at most "
+                               f"{MAX_TEXT_BYTES}); not a model's template")
+    return text
 
 
 def model_root(folder: Path) -> Path:

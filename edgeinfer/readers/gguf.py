@@ -58,6 +58,7 @@ from ..models.config import ModelConfig
 from ..models.families import BY_GGUF_ARCH, BY_MODEL_TYPE, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from ..source import LazyTensors, ModelSource, check_layer_count, expected_specs, finite_loader
 from . import config_from_dict
+from .files import check_template
 from .fused import split_fused
 from .gguf_file import GGUFFile, GGUFTensorInfo
 
@@ -420,9 +421,8 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
         raise ModelFormatError(f"{p}: tokenizer.ggml.tokens has {n_vocab} tokens but the embedding "
                                f"has {config.vocab_size} rows; token ids past the embedding cannot "
                                f"run (the file is corrupt)")
-    template = md.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise ModelFormatError(f"{p}: GGUF metadata tokenizer.chat_template is not a string")
+    template = check_template(md.get("tokenizer.chat_template"),
+                              f"{p}: GGUF metadata tokenizer.chat_template")
 
     bos_id, eos_id = cfg.get("bos_token_id"), cfg.get("eos_token_id")
     loaders, shapes = gguf_tensors(g, config)

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PRE_TOKENIZER_SPLITS", "bytes_to_unicode", "tokenizer_json_from_gguf"]
 
+#: Longest token string, and most characters over the whole vocabulary (Gemma 3: 31 and
+#: 1.5 M). The SentencePiece merge derivation below costs one step per character and
+#: copies of up to a token's length, so these bound its time.
+MAX_TOKEN_CHARS = 4096
+MAX_VOCAB_CHARS = 1 << 24
+
 # Token types (llama.cpp llama_token_type / gguf-py TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -169,6 +175,12 @@ def tokenizer_json_from_gguf(md: Mapping[str, Any], where: str = "GGUF",
         raise UnsupportedModelError(f"{where}: the GGUF carries no vocabulary "
                                     f"(tokenizer.ggml.tokens)")
     n = len(tokens)
+    longest = max(map(len, tokens))
+    total = sum(map(len, tokens))
+    if longest > MAX_TOKEN_CHARS or total > MAX_VOCAB_CHARS:
+        raise ModelFormatError(f"{where}: tokenizer.ggml.tokens holds a token of {longest} "
+                               f"characters and {total} in all (at most {MAX_TOKEN_CHARS} and "
+                               f"{MAX_VOCAB_CHARS}); not a real vocabulary")
     if md.get("tokenizer.ggml.token_type") is not None:
         bad = md["tokenizer.ggml.token_type"]
         if isinstance(bad, list) and len(bad) != n:

@@ -44,7 +44,8 @@ import numpy as np
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..source import LazyTensors, ModelSource, check_layer_count, expected_specs, finite_loader
 from . import config_from_dict
-from .files import MAX_TOKENIZER_JSON_BYTES, folder_file, model_root, parse_json, read_json, read_text
+from .files import (MAX_TOKENIZER_JSON_BYTES, check_template, folder_file, model_root,
+                    parse_json, read_json, read_text)
 from .fused import split_fused
 from .safetensors_header import TensorEntry, read_header
 from .tokenizer_files import check_tokenizer_json, token_id, token_text
@@ -269,6 +270,7 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
                                        str(ct_json_path))
     if chat_template is None:
         chat_template = _pick_template(tcfg.get("chat_template"), f"{tcfg_path}")
+    chat_template = check_template(chat_template, str(jinja_path or ct_json_path or tcfg_path))
     bos_token = _token_str(tcfg.get("bos_token"), f"{tcfg_path}: bos_token")
     eos_token = _token_str(tcfg.get("eos_token"), f"{tcfg_path}: eos_token")
     add_bos_cfg = tcfg.get("add_bos_token")
