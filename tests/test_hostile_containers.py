@@ -90,6 +90,20 @@ def test_gguf_duplicate_keys_and_header_limits(parts, tmp_path):
         read_model(tmp_path / "kv.gguf")
 
 
+def test_gguf_metadata_strings_are_bounded(parts, tmp_path, monkeypatch):
+    """Strings decoded from the metadata are capped in total (a huge file of strings would
+    otherwise be decoded whole); the cap is lowered here to the seed's own size."""
+    from edgeinfer.readers import gguf_file
+
+    path = parts.write(tmp_path / "m.gguf")
+    total = GGUFFile(path)._string_bytes  # every string: keys, values, tensor names
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_STRING_BYTES", total)
+    assert GGUFFile(path).metadata["general.architecture"] == "llama"  # at the cap: reads
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_STRING_BYTES", total - 1)
+    with pytest.raises(ModelFormatError, match=rf"more than {total - 1} bytes of strings"):
+        GGUFFile(path)
+
+
 # ---------------------------------------------------------------- GGUF metadata values
 @pytest.mark.parametrize("key,vtype,value,why", [
     ("llama.attention.head_count", U32, 0, r"head_count = 0; expected an integer >= 1"),

@@ -37,6 +37,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 1 << 16
 MAX_ARRAY_DEPTH = 2  # arrays of arrays (none in released files)
 MAX_METADATA_ELEMENTS = 1 << 24  # array elements over all metadata (Gemma 3: ~800k)
+MAX_METADATA_STRING_BYTES = 1 << 29  # string bytes over all metadata (Gemma 3: ~4 MB)
 DEFAULT_ALIGNMENT = 32
 
 
@@ -85,7 +86,8 @@ class GGUFFile:
     Raises:
         ModelFormatError: not GGUF, unsupported version or endianness, truncated or
             corrupt header (a duplicate key, counts past :data:`MAX_KV` /
-            :data:`MAX_TENSORS` / :data:`MAX_METADATA_ELEMENTS`, arrays nested past
+            :data:`MAX_TENSORS` / :data:`MAX_METADATA_ELEMENTS` /
+            :data:`MAX_METADATA_STRING_BYTES`, arrays nested past
             :data:`MAX_ARRAY_DEPTH`), ``general.alignment`` not a positive power of two, a
             tensor offset not a multiple of it, tensor data overlapping another tensor or
             reaching past the end of the file.
@@ -130,6 +132,7 @@ class GGUFFile:
                                    f"(edgeinfer reads versions 2 and 3)")
         self.version = version
         self._elements = 0
+        self._string_bytes = 0
         try:
             n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
             if n_kv > MAX_KV or n_tensors > MAX_TENSORS:
@@ -226,7 +229,14 @@ class GGUFFile:
             raise _Corrupt(f"a name of {n} bytes at offset {off - 8} (at most {limit})")
         if off + n > self.size:
             raise _Truncated
+        self._count_bytes(n)
         return self._mm[off:off + n].decode("utf-8", errors="replace"), off + n
+
+    def _count_bytes(self, n: int) -> None:
+        self._string_bytes += n
+        if self._string_bytes > MAX_METADATA_STRING_BYTES:
+            raise _Corrupt(f"more than {MAX_METADATA_STRING_BYTES} bytes of strings in the "
+                           f"metadata")
 
     def _count(self, n: int, key: str) -> None:
         self._elements += n
@@ -257,6 +267,7 @@ class GGUFFile:
             if etype == _STRING:
                 out = []
                 mm, size, unpack = self._mm, self.size, struct.unpack_from
+                room = MAX_METADATA_STRING_BYTES - self._string_bytes
                 for _ in range(n):
                     if off + 8 > size:
                         raise _Truncated
@@ -264,8 +275,12 @@ class GGUFFile:
                     off += 8
                     if off + ln > size:
                         raise _Truncated
+                    room -= ln
+                    if room < 0:
+                        self._count_bytes(MAX_METADATA_STRING_BYTES + 1)  # raises
                     out.append(mm[off:off + ln].decode("utf-8", errors="replace"))
                     off += ln
+                self._string_bytes = MAX_METADATA_STRING_BYTES - room
                 return out, off
             if etype == _ARRAY:
                 out = []
