@@ -180,7 +180,8 @@ def test_gguf_nan_weight_is_named_when_loaded(parts, tmp_path):
 def _eif(tmp_path: Path, tied: bool = False) -> Path:
     cfg, t = tiny_model(tied)
     p = tmp_path / "m.eif"
-    write_eif(p, cfg, t, tokenizer_json=TOKENIZER, bos_token="<s>", eos_token="</s>")
+    write_eif(p, cfg, t, tokenizer_json=TOKENIZER, bos_token="<s>", eos_token="</s>",
+              overwrite=True)  # a fresh file per case
     return p
 
 
