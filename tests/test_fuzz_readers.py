@@ -28,6 +28,7 @@ from test_container import TOKENIZER, tiny_model  # noqa: E402
 from edgeinfer.api import tokenizer_for  # noqa: E402
 from edgeinfer.container import describe_eif, read_eif, write_eif  # noqa: E402
 from edgeinfer.errors import EdgeInferError  # noqa: E402
+from edgeinfer.models.families import BY_GGUF_ARCH  # noqa: E402
 from edgeinfer.readers import read_model  # noqa: E402
 
 #: Examples per test: a fixed, reproducible 50 by default; EDGEINFER_FUZZ_EXAMPLES=N runs N
@@ -204,6 +205,28 @@ def test_fuzz_gguf_metadata_values(work, pick, typed, append):
         key = parts.kv[pick % len(parts.kv)][0]
     parts.set(key, vtype, value)
     path = parts.write(work["base"] / "f.gguf")
+    _only_our_errors(lambda: tokenizer_for(read_model(path)))
+
+
+_ARCH_KEYS = ["attention.sliding_window", "attention.sliding_window_pattern",
+              "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+              "rope.scaling.attn_factor", "rope.freq_base_swa", "final_logit_softcapping",
+              "attn_logit_softcapping", "block_count", "attention.key_length",
+              "rope.dimension_count", "context_length"]
+
+
+@FUZZ
+@given(arch=st.sampled_from(sorted(BY_GGUF_ARCH)), edits=st.lists(st.tuples(
+    st.sampled_from(_ARCH_KEYS), gguf_typed_value()), max_size=3))
+def test_fuzz_gguf_other_architectures(work, arch, edits):
+    """The seed relabelled as every GGUF architecture edgeinfer reads, with that family's
+    own metadata keys fuzzed (its fixups run on them)."""
+    parts = gguf_parts_copy(work)
+    parts.kv = [(k.replace("llama.", f"{arch}.", 1), t, v) for k, t, v in parts.kv]
+    parts.set("general.architecture", STRING, arch)
+    for key, (vtype, value) in edits:
+        parts.set(f"{arch}.{key}", vtype, value)
+    path = parts.write(work["base"] / "a.gguf")
     _only_our_errors(lambda: tokenizer_for(read_model(path)))
 
 
