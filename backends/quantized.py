@@ -102,6 +102,19 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"unsupported bit width {self.bits}; supported: {SUPPORTED_BITS}")
+        if self.qweight.ndim != 2 or self.scales.ndim != 2:
+            raise ValueError(f"qweight and scales must be 2-D, got shapes {self.qweight.shape} and "
+                             f"{self.scales.shape}")
+        if self.scales.dtype not in (np.float16, np.float32):
+            raise ValueError(f"scales must be float16 or float32, got {self.scales.dtype}")
+        if self.zeros is not None and self.zeros.dtype != np.uint8:
+            raise ValueError(f"zeros must be uint8 (packed 4-bit), got {self.zeros.dtype}")
+        if not 0 < self.group_size <= max(self.in_padded, 1) or self.in_padded % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide the padded row of "
+                             f"{self.in_padded} columns")
+        if not self.in_padded - self.group_size < self.in_features <= self.in_padded:
+            raise ValueError(f"in_features {self.in_features} does not fit a padded row of "
+                             f"{self.in_padded} columns in groups of {self.group_size}")
         out = self.qweight.shape[0]
         if self.scales.shape != (out, self.n_groups):
             raise ValueError(

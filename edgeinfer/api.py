@@ -21,7 +21,7 @@ import numpy as np
 
 from .backends.errors import BackendUnavailableError as _BackendUnavailable
 from .engine import Engine, GenerationEvent
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, EdgeInferError, ModelFormatError
 from .memory import release_free_heap, release_jit_compiler_pages
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
@@ -60,15 +60,27 @@ def default_backend() -> str:
 
 
 def tokenizer_for(source: ModelSource) -> Tokenizer:
-    """Build the runtime tokenizer of a model source."""
-    return Tokenizer.from_json_text(
-        source.tokenizer_json,
-        bos_token=source.bos_token,
-        eos_token=source.eos_token,
-        add_bos_token=source.add_bos_token,
-        chat_template=source.chat_template,
-        extra_eos_ids=tuple(source.config.eos_token_ids),
-    )
+    """Build the runtime tokenizer of a model source.
+
+    Raises:
+        ModelFormatError: ``tokenizers`` cannot build the tokenizer (the readers check the
+            file's structure first; this catches what only the library itself refuses),
+            naming the model file.
+    """
+    try:
+        return Tokenizer.from_json_text(
+            source.tokenizer_json,
+            bos_token=source.bos_token,
+            eos_token=source.eos_token,
+            add_bos_token=source.add_bos_token,
+            chat_template=source.chat_template,
+            extra_eos_ids=tuple(source.config.eos_token_ids),
+        )
+    except ValueError as e:
+        if isinstance(e, EdgeInferError):
+            raise
+        raise ModelFormatError(f"{source.path}: the tokenizer cannot be loaded ({e}); "
+                               f"re-download the model or re-convert it") from None
 
 
 class Model:

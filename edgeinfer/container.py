@@ -21,37 +21,48 @@ Metadata (every value a string; the structured ones are JSON):
 
 Reading maps the file once (``mmap``) and builds every array with ``np.frombuffer`` at the
 header's offsets: no copy of the data at load (the CPU backend relies on it), and the
-arrays are read-only. Writing goes through :mod:`edgeinfer.safe_write`: a temporary file in
-the destination folder, renamed into place only when complete (an interrupted write never
-leaves half a file); an existing target is replaced only with ``overwrite``, an input never.
+arrays are read-only. Before that, everything is checked: the header
+(:mod:`edgeinfer.readers.safetensors_header`), the format version, every metadata JSON
+(bounded, no duplicate keys, of the expected type), the config against the tensors, each
+tensor's dtype for its role and packed layout, the tokenizer against the config; after
+it, one pass over the scales and dense float tensors for NaN/inf (refused) and all-zero
+scale rows (a warning). Writing goes through :mod:`edgeinfer.safe_write`: a temporary file
+in the destination folder, renamed into place only when complete (an interrupted write
+never leaves half a file); an existing target is replaced only with ``overwrite``, an
+input never.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import logging
+import math
 import mmap
 import os
-import struct
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from .backends.quantized import QuantizedTensor
+from .backends.quantized import SUPPORTED_BITS, QuantizedTensor
 from .errors import ModelFormatError
-from .models.config import ConfigError, ModelConfig
+from .models.config import ModelConfig
+from .readers.files import MAX_JSON_DEPTH, check_template, parse_json
+from .readers.safetensors_header import SafetensorsHeader, read_header
+from .readers.tokenizer_files import check_tokenizer_json
 from .safe_write import atomic_output
-from .source import ModelSource
+from .source import ModelSource, check_finite, expected_specs
 
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "edgeinfer"
 FORMAT_VERSION = 1
 #: safetensors dtype names <-> numpy dtypes used by this format.
-_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8,
-           "I32": np.int32, "I64": np.int64, "BF16": None}
-_NP2ST = {np.dtype(v): k for k, v in _DTYPES.items() if v is not None}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
+_NP2ST = {np.dtype(v): k for k, v in _DTYPES.items()}
+#: dense (not quantized) tensors: float weights, norms and biases.
+_DENSE_DTYPES = ("F32", "F16")
 _QSUFFIXES = (".qweight", ".scales", ".zeros")
 
 
@@ -156,30 +167,14 @@ def _write_safetensors(path: str, header: bytes, arrays: dict[str, np.ndarray]) 
 
 
 # ------------------------------------------------------------------------------- reading
-def _read_header(path: str) -> tuple[dict, int, int]:
-    """(header dict, data start offset, file size); raises ModelFormatError on garbage."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot open ({e.strerror})") from None
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ModelFormatError(f"{path}: not an edgeinfer .eif file (only {size} bytes); "
-                                   f"convert a model with `edgeinfer convert`")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 512 * 1024 * 1024:
-            raise ModelFormatError(f"{path}: not a safetensors/.eif file or truncated (header of "
-                                   f"{n} bytes in a {size}-byte file); re-convert or re-download it")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ModelFormatError(f"{path}: header is not valid JSON: not an .eif file; "
-                               f"convert the model with `edgeinfer convert`") from None
-    if not isinstance(header, dict):
-        raise ModelFormatError(f"{path}: malformed safetensors header")
-    return header, 8 + n, size
+_FIX = "re-convert the model (edgeinfer convert) or re-download it"
+
+
+def _open_header(path: str) -> SafetensorsHeader:
+    """The checked safetensors header of an ``.eif`` file whose format and version we read."""
+    header = read_header(path, hint=_FIX)
+    _check_format(path, header.metadata)
+    return header
 
 
 def _check_format(path: str, meta: dict) -> None:
@@ -189,54 +184,88 @@ def _check_format(path: str, meta: dict) -> None:
             f"{path}: not an edgeinfer model (format={fmt!r}); it looks like a plain safetensors "
             f"file: point edgeinfer at its HF folder or convert it with `edgeinfer convert`")
     ver = meta.get("format_version", "")
-    try:
-        v = int(ver)
-    except ValueError:
-        raise ModelFormatError(f"{path}: unreadable format_version {ver!r}") from None
+    if not re.fullmatch(r"[0-9]{1,6}", ver):
+        raise ModelFormatError(f"{path}: metadata format_version {ver!r} is not a version number "
+                               f"(an integer such as {str(FORMAT_VERSION)!r}); {_FIX}")
+    v = int(ver)
     if v > FORMAT_VERSION:
         raise ModelFormatError(
             f"{path}: written by a newer edgeinfer (format version {v}, this one reads up to "
             f"{FORMAT_VERSION}); upgrade edgeinfer (pip install -U edgeinfer)")
-    if v < 1:
-        raise ModelFormatError(f"{path}: invalid format_version {v}")
+    if v != FORMAT_VERSION:
+        raise ModelFormatError(f"{path}: format_version {v} is not one edgeinfer wrote "
+                               f"(this one reads {FORMAT_VERSION}); {_FIX}")
 
 
-def _json_meta(path: str, meta: dict, key: str, default: Any) -> Any:
+def _json_meta(path: str, meta: dict, key: str, default: Any, kind: type = dict) -> Any:
+    """Metadata ``key`` parsed as JSON (bounded, no duplicate keys) and of type ``kind``."""
     raw = meta.get(key)
     if raw is None or raw == "":
         return default
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        raise ModelFormatError(f"{path}: metadata {key!r} is not valid JSON; re-convert the model") from None
+    v = parse_json(raw, f"{path}: metadata {key!r}", max_depth=MAX_JSON_DEPTH)
+    if not isinstance(v, kind):
+        raise ModelFormatError(f"{path}: metadata {key!r} is a {type(v).__name__}, expected a "
+                               f"{kind.__name__}; {_FIX}")
+    return v
 
 
-def _map_arrays(path: str, header: dict, data_start: int,
-                size: int) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
-    """(name -> read-only ndarray viewing the mmapped file (no copy), the map)."""
-    infos = {k: v for k, v in header.items() if k != "__metadata__"}
-    end_needed = max((int(v["data_offsets"][1]) for v in infos.values()), default=0)
-    if data_start + end_needed > size:
-        raise ModelFormatError(
-            f"{path}: truncated: the header describes {data_start + end_needed} bytes but the file "
-            f"has {size}; the copy or conversion was interrupted: re-convert or re-download it")
+def _quant_params(path: str, quant: dict) -> dict[str, dict]:
+    """The ``quantization`` metadata, every entry's fields type-checked."""
+    out = {}
+    for name, q in quant.items():
+        where = f"{path}: metadata 'quantization' of tensor {name!r}"
+        if not isinstance(q, dict):
+            raise ModelFormatError(f"{where} is not an object; {_FIX}")
+        for key, ok in (("bits", lambda v: v in SUPPORTED_BITS), ("group_size", lambda v: v >= 1),
+                        ("in_features", lambda v: v >= 1)):
+            v = q.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not ok(v):
+                raise ModelFormatError(f"{where}: {key} = {v!r} is invalid; {_FIX}")
+        if not isinstance(q.get("symmetric", False), bool) or not isinstance(q.get("method", ""), str):
+            raise ModelFormatError(f"{where}: 'symmetric' must be a bool and 'method' a string")
+        out[name] = q
+    return out
+
+
+def _map_arrays(path: str, header: SafetensorsHeader) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
+    """(name -> read-only ndarray viewing the mmapped file (no copy), the map).
+
+    The header is already checked (offsets inside the file, sizes matching shapes)."""
     out: dict[str, np.ndarray] = {}
-    if not infos:
+    if not header.tensors:
         return out, None
+    for t in header.tensors.values():
+        if t.dtype not in _DTYPES:
+            raise ModelFormatError(f"{path}: tensor {t.name!r} has dtype {t.dtype}; .eif stores "
+                                   f"{', '.join(_DTYPES)}; {_FIX}")
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    for name, info in infos.items():
-        st = info.get("dtype")
-        dt = _DTYPES.get(st)
-        if dt is None:
-            raise ModelFormatError(f"{path}: tensor {name!r} has dtype {st!r}, not stored by .eif")
-        b, e = (int(x) for x in info["data_offsets"])
-        shape = tuple(int(s) for s in info["shape"])
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if e - b != count * np.dtype(dt).itemsize:
-            raise ModelFormatError(f"{path}: tensor {name!r}: {e - b} bytes for shape {shape} {st}")
-        out[name] = np.frombuffer(mm, dtype=dt, count=count, offset=data_start + b).reshape(shape)
+    if len(mm) != header.file_size:
+        mm.close()
+        raise ModelFormatError(f"{path}: the file changed while it was opened; open it again")
+    for t in header.tensors.values():
+        dt = _DTYPES[t.dtype]
+        count = math.prod(t.shape)
+        out[t.name] = np.frombuffer(mm, dtype=dt, count=count, offset=t.begin).reshape(t.shape)
     return out, mm
+
+
+def _check_values(path: str, tensors: dict[str, Any]) -> None:
+    """NaN/inf in scales and dense float tensors refused; all-zero scale rows warned about.
+
+    Cost: one read pass over every scale and dense float tensor (codes are integers and
+    cannot be non-finite), in bounded chunks.
+    """
+    for name, t in tensors.items():
+        if isinstance(t, QuantizedTensor):
+            check_finite(t.scales, f"{name}.scales", path)
+            zero_rows = int((~t.scales.any(axis=1)).sum()) if t.scales.size else 0
+            if zero_rows:
+                log.warning("%s: tensor %r has %d of %d rows whose scales are all zero (those "
+                            "outputs are always 0); the file may be damaged: re-convert it",
+                            path, name, zero_rows, t.scales.shape[0])
+        else:
+            check_finite(t, name, path)
 
 
 def read_eif(path: str | os.PathLike) -> ModelSource:
@@ -247,20 +276,35 @@ def read_eif(path: str | os.PathLike) -> ModelSource:
 
     Raises:
         ModelFormatError: a foreign file (not safetensors, or no/unknown ``format``), a
-            newer ``format_version`` ("upgrade edgeinfer"), a truncated file, a tensor the
-            config needs that is missing, or inconsistent quantization metadata. The message
-            names the file and the fix.
+            newer or non-integer ``format_version``, a truncated file or a malformed header
+            (offsets outside the data, overlapping tensors), metadata that is not valid
+            JSON of the right type, a config the tensors do not back, a tensor the config
+            needs that is missing, a tensor the config does not use, a wrong dtype or packed
+            shape, NaN/inf scales or weights, or a tokenizer that does not fit the config.
+            The message names the file, the tensor or field, and the fix.
+        UnsupportedModelError: a config edgeinfer cannot run (architecture, RoPE type).
     """
+    from .readers import config_from_dict
+
     path = os.fspath(path)
-    header, data_start, size = _read_header(path)
-    meta = header.get("__metadata__") or {}
-    _check_format(path, meta)
-    arrays, mapping = _map_arrays(path, header, data_start, size)
-    try:
-        config = ModelConfig.from_hf_dict(_json_meta(path, meta, "config", None) or {})
-    except (ConfigError, TypeError, KeyError) as e:
-        raise ModelFormatError(f"{path}: bad config metadata ({e}); re-convert the model") from None
-    quant = _json_meta(path, meta, "quantization", {})
+    header = _open_header(path)
+    meta = header.metadata
+    config = config_from_dict(_json_meta(path, meta, "config", {}), f"{path}: metadata 'config'")
+    quant = _quant_params(path, _json_meta(path, meta, "quantization", {}))
+    special = _json_meta(path, meta, "special", {})
+    generation = _json_meta(path, meta, "generation", {})
+    provenance = _json_meta(path, meta, "provenance", {})
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    add_bos = special.get("add_bos_token", False)
+    if not all(v is None or isinstance(v, str) for v in (bos, eos)) or not isinstance(add_bos, bool):
+        raise ModelFormatError(f"{path}: metadata 'special' must hold bos_token/eos_token strings "
+                               f"and an add_bos_token bool; {_FIX}")
+    tokenizer_json = meta.get("tokenizer", "")
+    where = f"{path}: metadata 'tokenizer'"
+    check_tokenizer_json(parse_json(tokenizer_json, where), where, config.vocab_size,
+                         {"special bos_token": bos, "special eos_token": eos})
+
+    arrays, mapping = _map_arrays(path, header)
     tensors: dict[str, Any] = {}
     used: set[str] = set()
     for name, q in quant.items():
@@ -269,35 +313,50 @@ def read_eif(path: str | os.PathLike) -> ModelSource:
         except KeyError as e:
             raise ModelFormatError(f"{path}: quantized tensor {name!r} lacks {e.args[0]!r}; "
                                    f"the file is damaged: re-convert it") from None
-        zeros = None if q.get("symmetric", False) else arrays.get(name + ".zeros")
-        if zeros is None and not q.get("symmetric", False):
+        symmetric = q.get("symmetric", False)
+        zeros = None if symmetric else arrays.get(name + ".zeros")
+        if zeros is None and not symmetric:
             raise ModelFormatError(f"{path}: asymmetric tensor {name!r} lacks {name + '.zeros'!r}")
         try:
-            tensors[name] = QuantizedTensor(qw, sc, zeros, int(q["bits"]), int(q["group_size"]),
-                                            int(q["in_features"]), q.get("method", "unknown"))
-        except (ValueError, KeyError) as e:
-            raise ModelFormatError(f"{path}: quantized tensor {name!r} is inconsistent: {e}") from None
-        used.update(name + s for s in _QSUFFIXES)
+            tensors[name] = QuantizedTensor(qw, sc, zeros, q["bits"], q["group_size"],
+                                            q["in_features"], q.get("method", "unknown"))
+        except ValueError as e:
+            raise ModelFormatError(f"{path}: quantized tensor {name!r} is inconsistent: {e}; "
+                                   f"{_FIX}") from None
+        used.update((name + ".qweight", name + ".scales") + (() if symmetric else (name + ".zeros",)))
     for name, a in arrays.items():
-        if name not in used:
-            tensors[name] = a
-    special = _json_meta(path, meta, "special", {})
+        if name in used:
+            continue
+        if header.tensors[name].dtype not in _DENSE_DTYPES:
+            raise ModelFormatError(f"{path}: dense tensor {name!r} has dtype "
+                                   f"{header.tensors[name].dtype}; .eif stores dense weights as "
+                                   f"{' or '.join(_DENSE_DTYPES)} (or {name!r} is a quantized part "
+                                   f"without a 'quantization' entry); {_FIX}")
+        tensors[name] = a
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        log.warning("%s: tie_word_embeddings is true; the stored lm_head.weight is not used", path)
+        del tensors["lm_head.weight"]
+    expected = {s.name for s in expected_specs(config, tensors, path)}
+    unknown = sorted(n for n in tensors if n not in expected)
+    if unknown:
+        raise ModelFormatError(
+            f"{path}: tensor(s) {', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''} are not "
+            f"used by a {config.model_type} model with the embedded config; the config and the "
+            f"weights disagree: {_FIX}")
     src = ModelSource(
         path=path, format="eif", config=config, tensors=tensors,
         shapes={k: tuple(v.shape) for k, v in tensors.items()},
-        tokenizer_json=meta.get("tokenizer", ""),
-        chat_template=meta.get("chat_template") or None,
-        bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
-        add_bos_token=bool(special.get("add_bos_token", False)),
-        generation=_json_meta(path, meta, "generation", {}),
-        provenance={**_json_meta(path, meta, "provenance", {}), "quantization": quant,
+        tokenizer_json=tokenizer_json,
+        chat_template=check_template(meta.get("chat_template") or None,
+                                     f"{path}: metadata 'chat_template'"),
+        bos_token=bos, eos_token=eos, add_bos_token=add_bos,
+        generation=generation,
+        provenance={**provenance, "quantization": quant,
                     "format_version": int(meta["format_version"])},
         mapping=mapping,
     )
-    if config.tie_word_embeddings:
-        src.shapes.pop("lm_head.weight", None)  # tied: a stray head is never used
-        tensors.pop("lm_head.weight", None)
     src.validate()
+    _check_values(path, tensors)
     return src
 
 
@@ -325,37 +384,30 @@ def describe_eif(path: str | os.PathLike) -> dict:
         (embedding / attention / mlp / lm_head / other).
 
     Raises:
-        ModelFormatError: as :func:`read_eif` for foreign, newer or truncated files.
+        ModelFormatError: as :func:`read_eif` for foreign, newer or truncated files, a
+            malformed header, or malformed metadata.
     """
     path = os.fspath(path)
-    header, data_start, size = _read_header(path)
-    meta = header.get("__metadata__") or {}
-    _check_format(path, meta)
-    end_needed = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-                     default=0)
-    if data_start + end_needed > size:
-        raise ModelFormatError(f"{path}: truncated ({size} of {data_start + end_needed} bytes)")
-    quant = _json_meta(path, meta, "quantization", {})
+    header = _open_header(path)
+    meta = header.metadata
+    quant = _quant_params(path, _json_meta(path, meta, "quantization", {}))
     by_kind: dict[str, list[int]] = {}  # kind -> [bytes, params]
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for name, t in header.tensors.items():
         base = name
         for suf in _QSUFFIXES:
             if name.endswith(suf) and name[: -len(suf)] in quant:
                 base = name[: -len(suf)]
-        nbytes = int(info["data_offsets"][1]) - int(info["data_offsets"][0])
         acc = by_kind.setdefault(_kind(base), [0, 0])
-        acc[0] += nbytes
+        acc[0] += t.end - t.begin
         if base in quant:
-            if name.endswith(".qweight"):
-                acc[1] += int(info["shape"][0]) * int(quant[base]["in_features"])
+            if name.endswith(".qweight") and t.shape:
+                acc[1] += int(t.shape[0]) * int(quant[base]["in_features"])
         else:
-            acc[1] += int(np.prod(info["shape"], dtype=np.int64))
+            acc[1] += math.prod(t.shape)
     total_b = sum(v[0] for v in by_kind.values())
     total_p = sum(v[1] for v in by_kind.values())
     return {
-        "path": path, "file_size": size, "format": meta.get("format"),
+        "path": path, "file_size": header.file_size, "format": meta.get("format"),
         "format_version": int(meta.get("format_version", 0)),
         "config": _json_meta(path, meta, "config", {}), "quantization": quant,
         "special": _json_meta(path, meta, "special", {}),
@@ -363,7 +415,7 @@ def describe_eif(path: str | os.PathLike) -> dict:
         "provenance": _json_meta(path, meta, "provenance", {}),
         "chat_template": meta.get("chat_template", ""),
         "tokenizer_chars": len(meta.get("tokenizer", "")),
-        "n_tensors": len(header) - ("__metadata__" in header),
+        "n_tensors": len(header.tensors),
         "params": total_p,
         "bits_per_weight": 8.0 * total_b / max(total_p, 1),
         "bits_per_weight_by_kind": {k: 8.0 * b / max(p, 1) for k, (b, p) in sorted(by_kind.items())},

@@ -7,7 +7,7 @@ generation settings. The runtime and the converter consume only this type.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +15,90 @@ import numpy as np
 
 from .backends.quantized import QuantizedTensor
 from .errors import ModelFormatError
-from .models.arch import tensor_specs
+from .models.arch import TensorSpec, tensor_specs
 from .models.config import ModelConfig
+
+#: Elements per chunk of the finite-value check (bounds its temporary to 1 MiB of bools).
+FINITE_CHECK_CHUNK = 1 << 20
+_LAYER_PREFIX = "model.layers."
+
+
+def layer_indices(names: Iterable[str], prefix: str = _LAYER_PREFIX) -> set[int]:
+    """The layer numbers ``i`` of names ``{prefix}{i}.…`` (``model.layers.3.mlp…`` -> 3)."""
+    out: set[int] = set()
+    for n in names:
+        if n.startswith(prefix):
+            head = n[len(prefix):].split(".", 1)[0]
+            if head.isdigit() and len(head) < 10:
+                out.add(int(head))
+    return out
+
+
+def check_layer_count(n_layers: int, names: Iterable[str], where: str, field: str,
+                      prefix: str = _LAYER_PREFIX) -> None:
+    """Refuse a layer count the tensors do not back, before anything per layer is built.
+
+    A config claiming 10^9 layers would otherwise be expanded into 10^9 x 16 tensor specs
+    (or a 10^9-entry layer list) before the first missing tensor is noticed. This costs
+    one pass over the tensor names.
+
+    Raises:
+        ModelFormatError: some layer below ``n_layers`` has no tensor at all (naming it).
+    """
+    have = layer_indices(names, prefix)
+    if n_layers > len(have):
+        missing = next(i for i in range(len(have) + 1) if i not in have)
+        raise ModelFormatError(
+            f"{where}: {field} = {n_layers} layers, but the file has tensors for {len(have)} "
+            f"(none for layer {missing}: no '{prefix}{missing}.*'); the config and the weights "
+            f"disagree")
+
+
+def expected_specs(config: ModelConfig, names: Iterable[str], where: str) -> list[TensorSpec]:
+    """``tensor_specs(config)`` once the layer count is backed by ``names`` (see
+    :func:`check_layer_count`)."""
+    check_layer_count(config.num_hidden_layers, names, where, "num_hidden_layers")
+    return tensor_specs(config)
+
+
+def first_nonfinite(a: np.ndarray) -> tuple[int, int] | None:
+    """``(count, first flat index)`` of the NaN/inf values of a float array, or None.
+
+    One read pass in chunks of :data:`FINITE_CHECK_CHUNK` elements (temporary memory
+    bounded by the chunk, whatever the tensor's size).
+    """
+    if a.dtype.kind != "f" or a.size == 0:
+        return None
+    flat = a.reshape(-1)
+    count, first = 0, -1
+    for i in range(0, flat.size, FINITE_CHECK_CHUNK):
+        ok = np.isfinite(flat[i:i + FINITE_CHECK_CHUNK])
+        if not ok.all():
+            bad = np.flatnonzero(~ok)
+            if first < 0:
+                first = i + int(bad[0])
+            count += int(bad.size)
+    return (count, first) if count else None
+
+
+def check_finite(a: np.ndarray, name: str, where: str) -> np.ndarray:
+    """``a`` itself, after :func:`first_nonfinite` found no NaN/inf in it.
+
+    Raises:
+        ModelFormatError: naming the file, the tensor, the count and the first position.
+    """
+    bad = first_nonfinite(a)
+    if bad is not None:
+        pos = tuple(int(x) for x in np.unravel_index(bad[1], a.shape))
+        raise ModelFormatError(
+            f"{where}: tensor {name!r} holds {bad[0]} non-finite values (NaN/inf; first at "
+            f"{pos}); the weights are corrupt: re-download or re-convert the model")
+    return a
+
+
+def finite_loader(loader: Callable[[], np.ndarray], name: str, where: str) -> Callable[[], np.ndarray]:
+    """A loader returning ``check_finite(loader(), name, where)``."""
+    return lambda: check_finite(loader(), name, where)
 
 
 class LazyTensors(Mapping):
@@ -97,9 +179,10 @@ class ModelSource:
         """Strict check: every tensor the architecture needs is present with its shape.
 
         Raises:
-            ModelFormatError: naming the file, the tensor and the expected shape.
+            ModelFormatError: naming the file, the tensor and the expected shape; a layer
+                count the tensors do not back is refused before the specs are expanded.
         """
-        for spec in tensor_specs(self.config):
+        for spec in expected_specs(self.config, self.shapes, self.path):
             if spec.name not in self.shapes:
                 raise ModelFormatError(
                     f"{self.path}: tensor {spec.name!r} is missing; a {self.config.model_type} "

@@ -19,6 +19,23 @@ class ConfigError(ValueError):
     """A config value is missing, unknown or inconsistent."""
 
 
+class UnsupportedConfigError(ConfigError):
+    """A valid config value that edgeinfer does not implement (architecture, RoPE
+    scaling)."""
+
+
+#: Largest size accepted for any dimension (kernels index with int32).
+MAX_DIM = 2**31 - 1
+#: Most layers accepted (the largest released decoders have under 200).
+MAX_LAYERS = 65536
+#: RoPE scaling types :mod:`edgeinfer.models.rope` implements.
+ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+#: Sizes every config needs, with their largest accepted value.
+_REQUIRED_SIZES = {"vocab_size": MAX_DIM, "hidden_size": MAX_DIM, "intermediate_size": MAX_DIM,
+                   "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_DIM}
+
+
 #: model_type values the runtime implements, mapped to their architecture family.
 SUPPORTED_MODEL_TYPES = {mt: f.name for mt, f in BY_MODEL_TYPE.items()}
 
@@ -68,11 +85,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
+            raise UnsupportedConfigError(
                 f"unknown architecture {self.model_type!r}; edgeinfer supports "
                 f"{sorted(SUPPORTED_MODEL_TYPES)}"
             )
         self.arch = SUPPORTED_MODEL_TYPES[self.model_type]
+        _check_values(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -87,9 +105,11 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads} (GQA needs whole groups)"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} "
+                f"gives {self.rotary_dim} rotary dimensions; RoPE needs a positive even number"
+            )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
@@ -98,6 +118,11 @@ class ModelConfig:
             activation(self.hidden_act)
         except ValueError as e:
             raise ConfigError(f"hidden_act: {e}") from None
+        if self.bos_token_id is not None and self.bos_token_id >= self.vocab_size:
+            raise ConfigError(f"bos_token_id {self.bos_token_id} is not below vocab_size "
+                              f"{self.vocab_size}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            self.pad_token_id = None  # e.g. -1 in old Llama configs: no padding token
         self._check_longrope()
 
     def _check_longrope(self) -> None:
@@ -172,17 +197,37 @@ class ModelConfig:
         list; ``extra_eos`` (from generation_config / tokenizer) is merged in.
 
         Raises:
-            ConfigError: unknown ``model_type`` or inconsistent sizes.
+            ConfigError: a missing key, a value of the wrong type or out of range, or
+                inconsistent sizes (see :func:`_check_values`); sizes are checked before
+                a family fixup builds anything per layer.
+            UnsupportedConfigError: unknown ``model_type`` or RoPE scaling.
         """
+        if not isinstance(d, dict):
+            raise ConfigError(f"the config is a {type(d).__name__}, not a JSON object")
         d = dict(d)
         if "text_config" in d and "hidden_size" not in d:  # multimodal wrappers
-            d = {**d["text_config"], "model_type": d["text_config"].get("model_type", d.get("model_type"))}
+            tc = d["text_config"]
+            if not isinstance(tc, dict):
+                raise ConfigError("text_config must be a JSON object")
+            d = {**tc, "model_type": tc.get("model_type", d.get("model_type"))}
         mt = d.get("model_type")
         if mt is None:
             archs = d.get("architectures") or []
-            mt = next((BY_ARCHITECTURE[a] for a in archs if a in BY_ARCHITECTURE), None)
+            if not isinstance(archs, list):
+                raise ConfigError(f"architectures must be a list of class names, got {archs!r}")
+            mt = next((BY_ARCHITECTURE[a] for a in archs
+                       if isinstance(a, str) and a in BY_ARCHITECTURE), None)
             if mt is None:
-                raise ConfigError(f"config has no model_type and no known architectures ({archs})")
+                raise UnsupportedConfigError(
+                    f"config has no model_type and no known architectures ({archs})")
+        if not isinstance(mt, str):
+            raise ConfigError(f"model_type must be a string, got {mt!r}")
+        for key, hi in _REQUIRED_SIZES.items():
+            if key not in d:
+                raise ConfigError(f"required key {key!r} is missing")
+            v = d[key]
+            if not (_is_int(v) or isinstance(v, float) and v.is_integer()) or not 1 <= v <= hi:
+                raise ConfigError(f"{key} must be an integer in 1..{hi}, got {v!r}")
         fam = BY_MODEL_TYPE.get(mt)
         if fam is not None:  # what the family's HF config class implies for absent keys
             d = {**fam.defaults, **d}
@@ -192,12 +237,17 @@ class ModelConfig:
             if k in names and k not in ("eos_token_ids", "arch", "model_type"):
                 kw[k] = v
         rp = d.get("rope_parameters")
+        if rp is not None and not isinstance(rp, dict):
+            raise ConfigError(f"rope_parameters must be a JSON object, got {rp!r}")
         if isinstance(rp, dict):
             # transformers 5: {"rope_type": "default", "rope_theta": 1e4, ...}; gemma3 nests
             # per layer type: {"full_attention": {...}, "sliding_attention": {...}}.
             if "full_attention" in rp or "sliding_attention" in rp:
                 full = rp.get("full_attention", {})
                 local = rp.get("sliding_attention", {})
+                if not isinstance(full, dict) or not isinstance(local, dict):
+                    raise ConfigError("rope_parameters.full_attention / sliding_attention must "
+                                      "be JSON objects")
                 if "rope_theta" in full:
                     kw["rope_theta"] = full["rope_theta"]
                 if "rope_theta" in local:
@@ -213,7 +263,10 @@ class ModelConfig:
         if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) in ("default", None):
             kw["rope_scaling"] = None
         eos = d.get("eos_token_id")
-        eos_list = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_list = [eos] if eos is None or isinstance(eos, int) else eos
+        if not isinstance(eos_list, list):
+            raise ConfigError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
+        eos_list = [e for e in eos_list if e is not None]
         for e in extra_eos or []:
             if e is not None and e not in eos_list:
                 eos_list.append(e)
@@ -226,7 +279,7 @@ class ModelConfig:
         if fam is not None and fam.hf_fixup is not None:
             try:
                 fam.hf_fixup(d, kw)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, ArithmeticError) as e:
                 raise ConfigError(f"{mt} config: {e}") from None
         return cls(**kw)
 
@@ -241,3 +294,110 @@ class ModelConfig:
         if isinstance(rs, dict) and "original_max_position_embeddings" in rs:
             out["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
         return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_field(cfg: ModelConfig, name: str, lo: int, hi: int = MAX_DIM, optional: bool = False) -> None:
+    v = getattr(cfg, name)
+    if v is None and optional:
+        return
+    if isinstance(v, float) and v.is_integer():  # 2048.0 in some configs
+        v = int(v)
+        setattr(cfg, name, v)
+    if not _is_int(v) or not lo <= v <= hi:
+        raise ConfigError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
+
+
+def _float_field(cfg: ModelConfig, name: str, *, optional: bool = False,
+                 upper: float | None = None) -> None:
+    """A positive finite number (at most ``upper``)."""
+    v = getattr(cfg, name)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    if v <= 0:
+        raise ConfigError(f"{name} must be positive, got {v!r}")
+    if upper is not None and v > upper:
+        raise ConfigError(f"{name} must be at most {upper}, got {v!r}")
+    setattr(cfg, name, float(v))
+
+
+def _check_rope_scaling(cfg: ModelConfig) -> None:
+    rs = cfg.rope_scaling
+    if rs is None:
+        return
+    if not isinstance(rs, dict):
+        raise ConfigError(f"rope_scaling must be a JSON object or null, got {rs!r}")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in ("default", None):
+        cfg.rope_scaling = None
+        return
+
+    def scalar(v: Any) -> bool:
+        return v is None or isinstance(v, (str, int, float))
+
+    if not all(isinstance(k, str) and (scalar(v) or isinstance(v, list) and all(
+            isinstance(x, (int, float)) for x in v)) for k, v in rs.items()):
+        raise ConfigError("rope_scaling values must be numbers, strings or lists of numbers")
+    if kind not in ROPE_SCALING_TYPES:
+        raise UnsupportedConfigError(f"rope scaling {kind!r} is not supported (supported: "
+                                     f"{', '.join(ROPE_SCALING_TYPES)})")
+
+    def num(key: str, default: float | None = None) -> float | None:
+        v = rs.get(key, default)
+        if v is None and default is None and kind == "longrope":
+            return None  # optional for longrope (derived from the context lengths)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"rope_scaling.{key} must be a positive finite number, got {v!r}")
+        return float(v)
+
+    num("factor")
+    if kind == "longrope":
+        num("attention_factor")
+    if kind == "llama3":
+        low, high = num("low_freq_factor", 1.0), num("high_freq_factor", 4.0)
+        if high <= low:
+            raise ConfigError(f"rope_scaling.high_freq_factor {high} must exceed low_freq_factor "
+                              f"{low} (llama3 RoPE divides by their difference)")
+        num("original_max_position_embeddings", 8192)
+
+
+def _check_values(cfg: ModelConfig) -> None:
+    """Types and ranges of every field, before any size is used (raises ConfigError)."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "max_position_embeddings"):
+        _int_field(cfg, name, 1)
+    _int_field(cfg, "num_hidden_layers", 1, MAX_LAYERS)
+    _int_field(cfg, "num_key_value_heads", 1, optional=True)
+    _int_field(cfg, "head_dim", 1, optional=True)
+    _int_field(cfg, "sliding_window", 1, optional=True)
+    for name in ("bos_token_id", "pad_token_id"):
+        _int_field(cfg, name, -MAX_DIM, optional=True)
+    if cfg.bos_token_id is not None and cfg.bos_token_id < 0:
+        raise ConfigError(f"bos_token_id must be a token id (>= 0), got {cfg.bos_token_id}")
+    _float_field(cfg, "rms_norm_eps", upper=1.0)
+    _float_field(cfg, "rope_theta")
+    _float_field(cfg, "rope_local_base_freq", optional=True)
+    _float_field(cfg, "partial_rotary_factor", upper=1.0)
+    _float_field(cfg, "embed_scale")
+    _float_field(cfg, "query_pre_attn_scalar", optional=True)
+    _float_field(cfg, "final_logit_softcapping", optional=True)
+    _float_field(cfg, "attn_logit_softcapping", optional=True)
+    for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_unit_offset",
+                 "qk_norm", "sandwich_norms"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+    if cfg.mlp_bias:
+        raise UnsupportedConfigError("mlp_bias=true (MLP biases) is not supported")
+    if not isinstance(cfg.eos_token_ids, list) or not all(_is_int(i) and i >= 0
+                                                          for i in cfg.eos_token_ids):
+        raise ConfigError(f"eos_token_id must be token ids (integers >= 0), got "
+                          f"{cfg.eos_token_ids!r}")
+    if cfg.layer_types is not None and (not isinstance(cfg.layer_types, list) or not all(
+            isinstance(t, str) and t in LAYER_TYPES for t in cfg.layer_types)):
+        raise UnsupportedConfigError(f"layer_types must list {' / '.join(LAYER_TYPES)} per layer")
+    _check_rope_scaling(cfg)

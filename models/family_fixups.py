@@ -74,7 +74,11 @@ def gemma3_gguf(meta: Any, d: dict) -> None:
     if isinstance(pattern, list):  # newer converters: one bool per layer (True = SWA)
         types = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:  # llama.cpp set_swa_pattern(6): every 6th layer is global
-        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+        every = int(pattern)
+        if every < 1:
+            raise ValueError(f"attention.sliding_window_pattern = {pattern!r}; expected a "
+                             f"positive integer or one bool per layer")
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                  for i in range(n_layers)]
     if window:
         d["sliding_window"] = int(window)

@@ -16,7 +16,8 @@ from edgeinfer.models.arch import tensor_specs
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.quant.rtn import quantize_rtn
 
-TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})
+TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "<s>": 1, "</s>": 2},
+                                                    "merges": []}})
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 
@@ -122,7 +123,7 @@ def test_refuses_foreign_safetensors(tmp_path):
     with pytest.raises(ModelFormatError, match="garbage.eif"):
         read_eif(g)
     g.write_bytes(struct.pack("<Q", 10) + b"not json!!" + b"\x00" * 10)
-    with pytest.raises(ModelFormatError, match="not valid JSON"):
+    with pytest.raises(ModelFormatError, match="invalid JSON"):
         read_eif(g)
 
 

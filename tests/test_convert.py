@@ -97,6 +97,11 @@ def test_stories_data_free_awq_records_its_text(stories, tmp_path):
 
 
 # ------------------------------------------------------------------ C15: tied embeddings
+#: A 32-token word-level tokenizer (the tiny models' vocabulary).
+_TINY_TOKENIZER = json.dumps({"model": {"type": "WordLevel", "unk_token": "t0",
+                                        "vocab": {f"t{i}": i for i in range(32)}}})
+
+
 def _tiny(tie, head: str, seed=0) -> ModelSource:
     """2-layer llama, vocab 32, hidden 16; tie in {True, False, None (key absent)};
     head in {"present", "absent", "different"}."""
@@ -116,7 +121,7 @@ def _tiny(tie, head: str, seed=0) -> ModelSource:
             rng.standard_normal(e.shape).astype(np.float32)
     elif head == "different":
         t["lm_head.weight"] = rng.standard_normal(e.shape).astype(np.float32)
-    return ModelSource("tiny", "hf", cfg, t, {k: v.shape for k, v in t.items()}, "{}")
+    return ModelSource("tiny", "hf", cfg, t, {k: v.shape for k, v in t.items()}, _TINY_TOKENIZER)
 
 
 def _logits(tensors, cfg, ids):

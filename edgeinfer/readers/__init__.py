@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..models.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
+from ..models.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, UnsupportedConfigError
 from ..source import ModelSource
 
 __all__ = ["config_from_dict", "read_gguf", "read_hf_folder", "read_model"]
@@ -37,8 +37,9 @@ def read_model(path: str | os.PathLike) -> ModelSource:
         A validated :class:`ModelSource` with lazily loaded float32 tensors.
 
     Raises:
-        ModelFormatError: the path does not exist, is empty, truncated, or is not one
-            of the formats above (the message names the path and what was expected).
+        ModelFormatError: the path does not exist, is not a folder or regular file, is
+            empty, truncated, or is not one of the formats above (the message names the
+            path and what was expected).
         UnsupportedModelError: readable, but the architecture is not supported.
     """
     p = Path(path).expanduser()
@@ -49,6 +50,9 @@ def read_model(path: str | os.PathLike) -> ModelSource:
         from .hf import read_hf_folder
 
         return read_hf_folder(p)
+    if not p.is_file():
+        raise ModelFormatError(f"{p}: not a regular file (a device, pipe or socket); expected a "
+                               f"HF model folder, a .gguf file or an .eif file")
     try:
         with open(p, "rb") as f:
             head = f.read(8)
@@ -99,24 +103,25 @@ def config_from_dict(d: dict[str, Any], where: str, extra_eos: list[int] | None 
         extra_eos: more EOS ids (generation config, tokenizer).
 
     Raises:
-        UnsupportedModelError: the ``model_type`` is not one edgeinfer implements.
-        ModelFormatError: a required key is missing or sizes are inconsistent.
+        UnsupportedModelError: the ``model_type`` (or the RoPE scaling) is not one
+            edgeinfer implements.
+        ModelFormatError: a required key is missing, a value has the wrong type or range
+            (``num_key_value_heads`` 0, ``rope_theta`` <= 0, NaN ``rms_norm_eps`` ...), or
+            sizes are inconsistent.
     """
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{where}: expected a JSON object, found a {type(d).__name__}")
     mt = d.get("model_type")
     if isinstance(d.get("text_config"), dict) and "hidden_size" not in d:
         mt = d["text_config"].get("model_type", mt)
-    if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
+    if isinstance(mt, str) and mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{where}: model_type {mt!r} is not supported; edgeinfer supports "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
     try:
         return ModelConfig.from_hf_dict(d, extra_eos=extra_eos)
+    except UnsupportedConfigError as e:
+        raise UnsupportedModelError(f"{where}: {e}") from None
     except ConfigError as e:
-        if "unknown architecture" in str(e) or "no known architectures" in str(e):
-            raise UnsupportedModelError(f"{where}: {e}") from e
-        raise ModelFormatError(f"{where}: {e}") from e
-    except KeyError as e:
-        raise ModelFormatError(f"{where}: required config key {e} is missing") from e
-    except TypeError as e:  # e.g. a required dataclass field absent
-        raise ModelFormatError(f"{where}: incomplete config ({e})") from e
+        raise ModelFormatError(f"{where}: {e}; fix the config or re-download the model") from None

@@ -54,11 +54,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..models.arch import tensor_specs
 from ..models.config import ModelConfig
 from ..models.families import BY_GGUF_ARCH, BY_MODEL_TYPE, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
-from ..source import LazyTensors, ModelSource
+from ..source import LazyTensors, ModelSource, check_layer_count, expected_specs, finite_loader
 from . import config_from_dict
+from .files import check_template
 from .fused import split_fused
 from .gguf_file import GGUFFile, GGUFTensorInfo
 
@@ -98,90 +98,150 @@ def _valid_id(v: Any, n_vocab: int) -> int | None:
     return v if 0 <= v < n_vocab else None
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _str_list(md: dict, key: str, where: Path) -> list[str]:
+    """A metadata array of strings (empty when absent)."""
+    v = md.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
+        raise ModelFormatError(f"{where}: GGUF metadata {key} must be an array of strings; the "
+                               f"file is corrupt")
+    return v
+
+
+_REQUIRED = object()
+
+
 def gguf_config_dict(g: GGUFFile) -> dict[str, Any]:
     """HF-style ``config.json`` dict built from a GGUF's metadata and tensor table.
+
+    Every metadata value read here is type- and range-checked (sizes positive integers,
+    frequencies and epsilons positive finite numbers), and ``block_count`` is checked
+    against the ``blk.N`` tensors present before anything per layer is built.
 
     Raises:
         UnsupportedModelError: an architecture no family reads (``BY_GGUF_ARCH``), or
             per-layer varying sizes, or llama3 RoPE factors that match no HF rule.
-        ModelFormatError: a required key (``{arch}.embedding_length`` …) is missing.
+        ModelFormatError: a required key (``{arch}.embedding_length`` …) is missing, or a
+            value has the wrong type or range (the message names the key).
     """
     md = g.metadata
     arch = md.get("general.architecture")
-    fam = BY_GGUF_ARCH.get(arch)
+    fam = BY_GGUF_ARCH.get(arch) if isinstance(arch, str) else None
     if fam is None:
         raise UnsupportedModelError(
             f"{g.path}: GGUF architecture {arch!r} is not supported; edgeinfer reads "
             f"{', '.join(sorted(BY_GGUF_ARCH))} GGUFs"
         )
 
-    def need(key: str) -> Any:
-        full = f"{arch}.{key}"
-        if full not in md:
-            raise ModelFormatError(f"{g.path}: GGUF metadata key {full!r} is missing")
-        return _scalar(md[full], full, g.path)
-
     def opt(key: str, default: Any = None) -> Any:
         full = f"{arch}.{key}"
         return _scalar(md[full], full, g.path) if full in md else default
 
-    n_tokens = len(md.get("tokenizer.ggml.tokens") or [])
+    def get(key: str, default: Any, kind: str, lo: int = 1) -> Any:
+        """``{arch}.{key}``: kind "int" (an integer >= lo), "pos" (a finite number > 0) or
+        "num" (any finite number)."""
+        full = f"{arch}.{key}"
+        if full not in md:
+            if default is _REQUIRED:
+                raise ModelFormatError(f"{g.path}: GGUF metadata key {full!r} is missing")
+            return default
+        v = _scalar(md[full], full, g.path)
+        if kind == "int":
+            ok, want = _is_int(v) and v >= lo, f"an integer >= {lo}"
+        elif kind == "pos":
+            ok, want = _is_num(v) and v > 0, "a finite number > 0"
+        else:
+            ok, want = _is_num(v), "a finite number"
+        if not ok:
+            raise ModelFormatError(f"{g.path}: GGUF metadata {full} = {v!r}; expected {want}; "
+                                   f"the file is corrupt")
+        return v
+
+    def need(key: str) -> int:
+        return get(key, _REQUIRED, "int")
+
+    def opt_int(key: str, default: Any = None, lo: int = 1) -> Any:
+        return get(key, default, "int", lo)
+
+    def opt_pos(key: str, default: Any = None) -> Any:
+        return get(key, default, "pos")
+
+    n_tokens = len(_str_list(md, "tokenizer.ggml.tokens", g.path))
     emb = g.tensors.get("token_embd.weight")
     # the embedding's rows are the model's vocabulary (may exceed the token list if padded)
-    n_vocab = (emb.shape[0] if emb is not None else 0) or n_tokens or int(opt("vocab_size", 0))
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(opt("attention.head_count_kv", heads))
-    head_dim = opt("attention.key_length")
-    rope_dims = opt("rope.dimension_count")
+    n_vocab = (emb.shape[0] if emb is not None else 0) or n_tokens or opt_int("vocab_size", 0)
+    hidden = need("embedding_length")
+    heads = need("attention.head_count")
+    kv_heads = opt_int("attention.head_count_kv", heads)
+    head_dim = opt_int("attention.key_length")
+    rope_dims = opt_int("rope.dimension_count")
+    n_layers = need("block_count")
+    check_layer_count(n_layers, g.tensors, str(g.path), f"{arch}.block_count", prefix="blk.")
     if head_dim is None:
+        if hidden % heads:
+            raise ModelFormatError(f"{g.path}: {arch}.embedding_length {hidden} is not a multiple "
+                                   f"of {arch}.attention.head_count {heads} and "
+                                   f"{arch}.attention.key_length is absent; the file is corrupt")
         head_dim = hidden // heads
     d: dict[str, Any] = {
         "model_type": fam.gguf_model_type,
         "vocab_size": n_vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": int(head_dim),
-        "rms_norm_eps": float(opt("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(opt("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(opt("context_length", 2048)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(opt_pos("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(opt_pos("rope.freq_base", 10000.0)),
+        "max_position_embeddings": opt_int("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
     }
-    if rope_dims is not None and int(rope_dims) != int(head_dim):
-        d["partial_rotary_factor"] = int(rope_dims) / int(head_dim)
+    if rope_dims is not None and rope_dims != head_dim:
+        d["partial_rotary_factor"] = rope_dims / head_dim
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         v = _valid_id(md.get(f"tokenizer.ggml.{key}"), n_tokens or n_vocab)
         d["pad_token_id" if key == "padding_token_id" else key] = v
 
     scaling = opt("rope.scaling.type")
     factor = opt("rope.scaling.factor")
-    if scaling in ("linear", "yarn") and factor and float(factor) != 1.0:
-        rs: dict[str, Any] = {"rope_type": scaling, "factor": float(factor)}
-        orig = opt("rope.scaling.original_context_length")
+    if scaling is not None and not isinstance(scaling, str):
+        raise ModelFormatError(f"{g.path}: GGUF metadata {arch}.rope.scaling.type = {scaling!r} "
+                               f"is not a string")
+    if scaling in ("linear", "yarn") and factor is not None and factor != 1.0:
+        rs: dict[str, Any] = {"rope_type": scaling, "factor": float(opt_pos("rope.scaling.factor"))}
+        orig = opt_int("rope.scaling.original_context_length", None, 0)
         if orig:
-            rs["original_max_position_embeddings"] = int(orig)
+            rs["original_max_position_embeddings"] = orig
         if scaling == "yarn":
             for k_gguf, k_hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
                                  ("yarn_ext_factor", "extrapolation_factor"),
                                  ("yarn_attn_factor", "attention_factor")):
-                v = opt(f"rope.scaling.{k_gguf}")
+                v = get(f"rope.scaling.{k_gguf}", None, "num")
                 if v is not None:
                     rs[k_hf] = float(v)
         d["rope_scaling"] = rs
     elif scaling not in (None, "none", "linear", "yarn", "longrope"):  # longrope: fixups
         raise UnsupportedModelError(f"{g.path}: rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in g.tensors:
-        d["rope_scaling"] = _llama3_scaling(g, d, opt("rope.scaling.original_context_length"))
+        d["rope_scaling"] = _llama3_scaling(g, d, opt_int("rope.scaling.original_context_length",
+                                                          None, 0))
 
     if fam.gguf_fixup is not None:
         try:
             fam.gguf_fixup(_Meta(g, arch, opt), d)
-        except ValueError as e:
-            raise ModelFormatError(f"{g.path}: {e}") from None
+        except (ValueError, TypeError, ArithmeticError) as e:
+            raise ModelFormatError(f"{g.path}: {e}; the file is corrupt") from None
     return d
 
 
@@ -210,6 +270,9 @@ def _llama3_scaling(g: GGUFFile, d: dict, orig_ctx: Any) -> dict:
     """
     freqs = g.dequantize(g.tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
     dim = int(d["head_dim"] * d.get("partial_rotary_factor", 1.0))
+    if freqs.shape != (dim // 2,) or not np.isfinite(freqs).all() or not (freqs > 0).all():
+        raise ModelFormatError(f"{g.path}: rope_freqs.weight has {freqs.size} values (expected "
+                               f"{dim // 2} positive finite divisors, one per rotary pair)")
     factor = float(freqs.max())
     for low, high, old in ((1.0, 4.0, int(orig_ctx or 8192)), (1.0, 4.0, 8192)):
         inv = 1.0 / (d["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
@@ -267,6 +330,9 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
     unknown: list[str] = []
     permute_heads: dict[str, int] = {}
     if fam.gguf_permute_qk:
+        if config.head_dim % 2:
+            raise ModelFormatError(f"{g.path}: head_dim {config.head_dim} is odd; llama.cpp's "
+                                   f"Q/K row permutation pairs rows, so the file is corrupt")
         permute_heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, info in g.tensors.items():
         if name == "rope_freqs.weight" or name in fam.gguf_config_tensors:
@@ -288,7 +354,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
                 w = f(w)
             return w
 
-        loaders[hf] = load
+        loaders[hf] = finite_loader(load, f"{hf} ({name})", str(g.path))
         shapes[hf] = info.shape
     if unknown:
         raise UnsupportedModelError(
@@ -296,7 +362,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
             f"no counterpart in edgeinfer's {arch} architecture; refusing to drop weights silently"
         )
     split_fused(config, loaders, shapes, str(g.path))  # e.g. phi3's attn_qkv, ffn_up
-    expected = {s.name for s in tensor_specs(config)}
+    expected = {s.name for s in expected_specs(config, shapes, str(g.path))}
     extra = sorted(n for n in loaders if n not in expected)
     if extra:
         raise ModelFormatError(f"{g.path}: tensor(s) {', '.join(extra[:5])} are not used by a "
@@ -320,7 +386,9 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
 
     Raises:
         ModelFormatError: not GGUF, truncated (the message names the file, and the
-            tensor when the data section is cut), missing metadata or tensors, wrong shapes.
+            tensor when the data section is cut), missing or ill-typed metadata, missing
+            tensors, wrong shapes, more tokens than embedding rows; NaN/inf in a tensor
+            when it is loaded.
         UnsupportedModelError: other architectures, tokenizer kinds, unknown tensors
             (weights edgeinfer would otherwise silently drop), undequantizable types.
     """
@@ -333,8 +401,12 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
     md = g.metadata
     cfg = gguf_config_dict(g)
 
-    tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
-    types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = _str_list(md, "tokenizer.ggml.tokens", p)
+    types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if (not isinstance(types, list) or len(types) != len(tokens)
+            or not all(_is_int(t) for t in types)):
+        raise ModelFormatError(f"{p}: GGUF metadata tokenizer.ggml.token_type must hold one integer "
+                               f"per token ({len(tokens)}); the file is corrupt")
     n_vocab = len(tokens)
     extra_eos: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -345,6 +417,12 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
         if ty == 3 and t in EOG_TOKEN_TEXTS and i not in extra_eos:
             extra_eos.append(i)
     config = config_from_dict(cfg, str(p), extra_eos=extra_eos)
+    if n_vocab > config.vocab_size:
+        raise ModelFormatError(f"{p}: tokenizer.ggml.tokens has {n_vocab} tokens but the embedding "
+                               f"has {config.vocab_size} rows; token ids past the embedding cannot "
+                               f"run (the file is corrupt)")
+    template = check_template(md.get("tokenizer.chat_template"),
+                              f"{p}: GGUF metadata tokenizer.chat_template")
 
     bos_id, eos_id = cfg.get("bos_token_id"), cfg.get("eos_token_id")
     loaders, shapes = gguf_tensors(g, config)
@@ -359,7 +437,7 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
         tensors=LazyTensors(loaders),
         shapes=shapes,
         tokenizer_json="",
-        chat_template=md.get("tokenizer.chat_template"),
+        chat_template=template,
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None,
         generation=generation,
@@ -373,7 +451,8 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
         },
     )
     src.validate()  # tensors first: a broken file fails before the (slower) tokenizer build
-    src.tokenizer_json, src.add_bos_token = tokenizer_json_from_gguf(md, where=str(p))
+    src.tokenizer_json, src.add_bos_token = tokenizer_json_from_gguf(md, where=str(p),
+                                                                     vocab_size=config.vocab_size)
     return src
 
 

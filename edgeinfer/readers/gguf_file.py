@@ -29,9 +29,24 @@ _NP_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4
              10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
+#: Limits on a GGUF header (each far above any released model; they bound the time and
+#: memory a hostile header can cost before it is refused).
+MAX_KV = 1 << 16  # metadata entries (real files: under 100)
+MAX_TENSORS = 1 << 16  # tensors (real files: under 2000)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_KEY_BYTES = 1 << 16
+MAX_ARRAY_DEPTH = 2  # arrays of arrays (none in released files)
+MAX_METADATA_ELEMENTS = 1 << 24  # array elements over all metadata (Gemma 3: ~800k)
+MAX_METADATA_STRING_BYTES = 1 << 29  # string bytes over all metadata (Gemma 3: ~4 MB)
+DEFAULT_ALIGNMENT = 32
+
 
 class _Truncated(Exception):
     pass
+
+
+class _Corrupt(Exception):
+    """A header field outside the format's limits; carries the message."""
 
 
 @dataclass(frozen=True)
@@ -70,12 +85,15 @@ class GGUFFile:
 
     Raises:
         ModelFormatError: not GGUF, unsupported version or endianness, truncated or
-            corrupt header, or tensor data reaching past the end of the file.
+            corrupt header (a duplicate key, counts past :data:`MAX_KV` /
+            :data:`MAX_TENSORS` / :data:`MAX_METADATA_ELEMENTS` /
+            :data:`MAX_METADATA_STRING_BYTES`, arrays nested past
+            :data:`MAX_ARRAY_DEPTH`), ``general.alignment`` not a positive power of two, a
+            tensor offset not a multiple of it, tensor data overlapping another tensor or
+            reaching past the end of the file.
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = Path(path)
         try:
             size = self.path.stat().st_size
@@ -84,10 +102,25 @@ class GGUFFile:
         if size < 24:
             raise ModelFormatError(f"{self.path}: {size} bytes, too short for a GGUF header "
                                    f"(truncated file?)")
-        with open(self.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.size = size
-        mm = self._mm
+        try:
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{self.path}: cannot map the file ({e})") from None
+        self.size = len(self._mm)  # what is mapped, should the file change after stat()
+        try:
+            self._parse()
+        except BaseException:
+            try:
+                self._mm.close()
+            except BufferError:  # a view still alive in a traceback frame
+                pass
+            raise
+
+    def _parse(self) -> None:
+        import gguf
+
+        mm, size = self._mm, self.size
         if mm[:4] != b"GGUF":
             raise ModelFormatError(f"{self.path}: not a GGUF file (magic {mm[:4]!r})")
         (version,) = struct.unpack_from("<I", mm, 4)
@@ -98,23 +131,30 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: GGUF version {version} is not supported "
                                    f"(edgeinfer reads versions 2 and 3)")
         self.version = version
+        self._elements = 0
+        self._string_bytes = 0
         try:
             n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+            if n_kv > MAX_KV or n_tensors > MAX_TENSORS:
+                raise _Corrupt(f"{n_kv} metadata entries and {n_tensors} tensors (at most "
+                               f"{MAX_KV} and {MAX_TENSORS})")
             off = 24
             self.metadata: dict[str, Any] = {}
             for _ in range(n_kv):
-                key, off = self._str(off)
+                key, off = self._str(off, MAX_KEY_BYTES)
                 (vtype,) = self._unpack("<I", off)
                 off += 4
-                self.metadata[key], off = self._value(vtype, off)
+                if key in self.metadata:
+                    raise _Corrupt(f"metadata key {key!r} appears twice")
+                self.metadata[key], off = self._value(vtype, off, key)
             infos = []
             for _ in range(n_tensors):
-                name, off = self._str(off)
+                name, off = self._str(off, MAX_KEY_BYTES)
                 (nd,) = self._unpack("<I", off)
                 off += 4
-                if nd > 8:
-                    raise ModelFormatError(f"{self.path}: tensor {name!r} has {nd} dimensions "
-                                           f"(corrupt header)")
+                if not 1 <= nd <= MAX_DIMS:
+                    raise _Corrupt(f"tensor {name!r} has {nd} dimensions (GGUF allows 1 to "
+                                   f"{MAX_DIMS})")
                 dims = self._unpack(f"<{nd}Q", off)
                 off += 8 * nd
                 qtype, toff = self._unpack("<IQ", off)
@@ -125,9 +165,18 @@ class GGUFFile:
                 f"{self.path}: truncated GGUF file: the header ends past the end of the file "
                 f"({size} bytes); download it again"
             ) from None
+        except _Corrupt as e:
+            raise ModelFormatError(f"{self.path}: corrupt GGUF header: {e}; not a usable GGUF "
+                                   f"file (download it again)") from None
         except (UnicodeDecodeError, ValueError, struct.error) as e:
             raise ModelFormatError(f"{self.path}: corrupt GGUF header ({e})") from e
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (not isinstance(align, int) or isinstance(align, bool) or align <= 0
+                or align & (align - 1)):
+            raise ModelFormatError(f"{self.path}: general.alignment = {align!r}; GGUF needs a "
+                                   f"positive power of two (default {DEFAULT_ALIGNMENT}); the "
+                                   f"file is corrupt")
+        self.alignment = align
         data_start = (off + align - 1) // align * align
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, qtype, toff in infos:
@@ -145,6 +194,9 @@ class GGUFFile:
                 raise ModelFormatError(f"{self.path}: tensor {name!r} row of {dims[0]} is not a "
                                        f"multiple of the {qt.name} block ({block})")
             nbytes = n // block * tsize
+            if toff % align:
+                raise ModelFormatError(f"{self.path}: tensor {name!r} has data offset {toff}, not a "
+                                       f"multiple of general.alignment {align}; the file is corrupt")
             start = data_start + toff
             if start + nbytes > size:
                 raise ModelFormatError(
@@ -154,6 +206,15 @@ class GGUFFile:
             if name in self.tensors:
                 raise ModelFormatError(f"{self.path}: tensor {name!r} appears twice")
             self.tensors[name] = GGUFTensorInfo(name, dims, int(qt), start, nbytes)
+        end = data_start
+        prev = None
+        for t in sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+            if t.offset < end and t.nbytes:
+                raise ModelFormatError(f"{self.path}: tensor {t.name!r} (bytes {t.offset}.."
+                                       f"{t.offset + t.nbytes}) overlaps {prev!r}; the file is "
+                                       f"corrupt")
+            if t.nbytes:
+                end, prev = t.offset + t.nbytes, t.name
 
     # ---- header parsing ----------------------------------------------------------------
     def _unpack(self, fmt: str, off: int) -> tuple:
@@ -161,14 +222,29 @@ class GGUFFile:
             raise _Truncated
         return struct.unpack_from(fmt, self._mm, off)
 
-    def _str(self, off: int) -> tuple[str, int]:
+    def _str(self, off: int, limit: int | None = None) -> tuple[str, int]:
         (n,) = self._unpack("<Q", off)
         off += 8
+        if limit is not None and n > limit:
+            raise _Corrupt(f"a name of {n} bytes at offset {off - 8} (at most {limit})")
         if off + n > self.size:
             raise _Truncated
+        self._count_bytes(n)
         return self._mm[off:off + n].decode("utf-8", errors="replace"), off + n
 
-    def _value(self, vtype: int, off: int) -> tuple[Any, int]:
+    def _count_bytes(self, n: int) -> None:
+        self._string_bytes += n
+        if self._string_bytes > MAX_METADATA_STRING_BYTES:
+            raise _Corrupt(f"more than {MAX_METADATA_STRING_BYTES} bytes of strings in the "
+                           f"metadata")
+
+    def _count(self, n: int, key: str) -> None:
+        self._elements += n
+        if self._elements > MAX_METADATA_ELEMENTS:
+            raise _Corrupt(f"metadata {key!r}: more than {MAX_METADATA_ELEMENTS} array elements "
+                           f"in all")
+
+    def _value(self, vtype: int, off: int, key: str, depth: int = 0) -> tuple[Any, int]:
         if vtype in _SCALAR_FMT:
             fmt = _SCALAR_FMT[vtype]
             (v,) = self._unpack(fmt, off)
@@ -178,6 +254,9 @@ class GGUFFile:
         if vtype == _ARRAY:
             etype, n = self._unpack("<IQ", off)
             off += 12
+            if depth >= MAX_ARRAY_DEPTH:
+                raise _Corrupt(f"metadata {key!r}: arrays nested more than {MAX_ARRAY_DEPTH} deep")
+            self._count(n, key)
             if etype in _NP_DTYPE:
                 dt = np.dtype(_NP_DTYPE[etype])
                 if off + n * dt.itemsize > self.size:
@@ -188,6 +267,7 @@ class GGUFFile:
             if etype == _STRING:
                 out = []
                 mm, size, unpack = self._mm, self.size, struct.unpack_from
+                room = MAX_METADATA_STRING_BYTES - self._string_bytes
                 for _ in range(n):
                     if off + 8 > size:
                         raise _Truncated
@@ -195,17 +275,21 @@ class GGUFFile:
                     off += 8
                     if off + ln > size:
                         raise _Truncated
+                    room -= ln
+                    if room < 0:
+                        self._count_bytes(MAX_METADATA_STRING_BYTES + 1)  # raises
                     out.append(mm[off:off + ln].decode("utf-8", errors="replace"))
                     off += ln
+                self._string_bytes = MAX_METADATA_STRING_BYTES - room
                 return out, off
             if etype == _ARRAY:
                 out = []
                 for _ in range(n):
-                    v, off = self._value(_ARRAY, off)
+                    v, off = self._value(_ARRAY, off, key, depth + 1)
                     out.append(v)
                 return out, off
-            raise ValueError(f"unknown array element type {etype}")
-        raise ValueError(f"unknown metadata value type {vtype}")
+            raise _Corrupt(f"metadata {key!r}: unknown array element type {etype}")
+        raise _Corrupt(f"metadata {key!r}: unknown value type {vtype}")
 
     # ---- data ----------------------------------------------------------------------------
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:

@@ -34,11 +34,19 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError
+from .files import parse_json
+from .tokenizer_files import check_tokenizer_json
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PRE_TOKENIZER_SPLITS", "bytes_to_unicode", "tokenizer_json_from_gguf"]
+
+#: Longest token string, and most characters over the whole vocabulary (Gemma 3: 31 and
+#: 1.5 M). The SentencePiece merge derivation below costs one step per character and
+#: copies of up to a token's length, so these bound its time.
+MAX_TOKEN_CHARS = 4096
+MAX_VOCAB_CHARS = 1 << 24
 
 # Token types (llama.cpp llama_token_type / gguf-py TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -122,12 +130,31 @@ def _id(md: Mapping[str, Any], key: str, n: int) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n else None
 
 
-def tokenizer_json_from_gguf(md: Mapping[str, Any], where: str = "GGUF") -> tuple[str, bool]:
+def _typed_list(md: Mapping[str, Any], key: str, n: int | None, ok, what: str, where: str) -> list | None:
+    """Metadata array ``key`` when present: every element passes ``ok``, length ``n``."""
+    v = md.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or (n is not None and len(v) != n) or not all(ok(x) for x in v):
+        size = f" of {n}" if n is not None else ""
+        raise ModelFormatError(f"{where}: GGUF metadata {key} must be an array{size} {what}; the "
+                               f"file is corrupt")
+    return v
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def tokenizer_json_from_gguf(md: Mapping[str, Any], where: str = "GGUF",
+                             vocab_size: int | None = None) -> tuple[str, bool]:
     """Build the ``tokenizer.json`` text of a GGUF's vocabulary.
 
     Args:
         md: the GGUF metadata (``tokenizer.ggml.*`` keys, ``general.architecture``).
         where: the file name, for error messages.
+        vocab_size: rows of the model's embedding; an embedded ``tokenizer.huggingface.json``
+            is checked against it (default: the token count).
 
     Returns:
         ``(tokenizer_json, add_bos_token)``. The JSON's post-processor prepends BOS
@@ -137,16 +164,36 @@ def tokenizer_json_from_gguf(md: Mapping[str, Any], where: str = "GGUF") -> tupl
 
     Raises:
         UnsupportedModelError: no vocabulary, or a tokenizer kind other than gpt2/llama.
+        ModelFormatError: ill-typed tokenizer metadata (tokens, types, scores, merges,
+            pre-tokenizer name), or an embedded tokenizer.json that is invalid or does not
+            fit ``vocab_size``.
     """
     kind = md.get("tokenizer.ggml.model")
-    tokens: list[str] = list(md.get("tokenizer.ggml.tokens") or [])
+    tokens = _typed_list(md, "tokenizer.ggml.tokens", None, lambda x: isinstance(x, str),
+                         "of strings", where) or []
     if not tokens:
         raise UnsupportedModelError(f"{where}: the GGUF carries no vocabulary "
                                     f"(tokenizer.ggml.tokens)")
     n = len(tokens)
-    types: list[int] = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * n)
-    if len(types) != n:
-        raise UnsupportedModelError(f"{where}: {len(types)} token types for {n} tokens")
+    longest = max(map(len, tokens))
+    total = sum(map(len, tokens))
+    if longest > MAX_TOKEN_CHARS or total > MAX_VOCAB_CHARS:
+        raise ModelFormatError(f"{where}: tokenizer.ggml.tokens holds a token of {longest} "
+                               f"characters and {total} in all (at most {MAX_TOKEN_CHARS} and "
+                               f"{MAX_VOCAB_CHARS}); not a real vocabulary")
+    if md.get("tokenizer.ggml.token_type") is not None:
+        bad = md["tokenizer.ggml.token_type"]
+        if isinstance(bad, list) and len(bad) != n:
+            raise UnsupportedModelError(f"{where}: {len(bad)} token types for {n} tokens")
+    types = _typed_list(md, "tokenizer.ggml.token_type", n,
+                        lambda x: isinstance(x, int) and not isinstance(x, bool),
+                        "of integers", where) or [NORMAL] * n
+    _typed_list(md, "tokenizer.ggml.scores", n, _num, "of numbers", where)
+    _typed_list(md, "tokenizer.ggml.merges", None, lambda x: isinstance(x, str), "of strings",
+                where)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        if md.get(key) is not None and not isinstance(md[key], str):
+            raise ModelFormatError(f"{where}: GGUF metadata {key} = {md[key]!r} is not a string")
     bos_id, eos_id, unk_id = _id(md, "bos_token_id", n), _id(md, "eos_token_id", n), _id(md, "unknown_token_id", n)
     bos = tokens[bos_id] if bos_id is not None else None
     eos = tokens[eos_id] if eos_id is not None else None
@@ -165,6 +212,8 @@ def tokenizer_json_from_gguf(md: Mapping[str, Any], where: str = "GGUF") -> tupl
 
     embedded = md.get("tokenizer.huggingface.json")
     if isinstance(embedded, str) and embedded.strip():
+        key = f"{where}: tokenizer.huggingface.json"
+        check_tokenizer_json(parse_json(embedded, key), key, vocab_size or n)
         return embedded, add_bos
 
     if kind == "gpt2":

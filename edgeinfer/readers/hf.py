@@ -1,12 +1,16 @@
 """Read a Hugging Face model folder (``config.json`` + safetensors + tokenizer files).
 
-Files used (all read here, nothing downloaded):
+Files used (all read here, nothing downloaded). Every one, shards included, is resolved
+inside the model folder (or its Hugging Face cache repository) and must be a regular file
+before it is opened (:func:`edgeinfer.readers.files.folder_file`); every JSON file is
+parsed with duplicate-key, size and nesting limits (:func:`~edgeinfer.readers.files.read_json`).
 
 * ``config.json``: required. Classic ``rope_theta`` and transformers-5 ``rope_parameters``
   both work (handled by :meth:`ModelConfig.from_hf_dict`).
 * ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``:
-  tensors are opened with :func:`safetensors.safe_open` (framework ``"numpy"``) and read
-  lazily, one tensor per access. F32/F16/F64 come through ``get_tensor``; BF16 (which
+  each header is checked first (:mod:`edgeinfer.readers.safetensors_header`), then tensors
+  are opened with :func:`safetensors.safe_open` (framework ``"numpy"``) and read lazily, one
+  tensor per access, each checked for NaN/inf as it is read. F32/F16/F64 come through ``get_tensor``; BF16 (which
   numpy lacks) is read raw from the file at the header's offsets and widened to float32
   exactly (bf16 is the top half of an fp32).
 * ``tokenizer.json``: required (the fast-tokenizer file is the tokenizer edgeinfer runs).
@@ -29,10 +33,8 @@ a silent fall-back to the embedding.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..models.arch import tensor_specs
-from ..source import LazyTensors, ModelSource
+from ..source import LazyTensors, ModelSource, check_layer_count, expected_specs, finite_loader
 from . import config_from_dict
+from .files import (MAX_TOKENIZER_JSON_BYTES, check_template, folder_file, model_root,
+                    parse_json, read_json, read_text)
 from .fused import split_fused
+from .safetensors_header import TensorEntry, read_header
+from .tokenizer_files import check_tokenizer_json, token_id, token_text
 
 log = logging.getLogger(__name__)
 
@@ -62,121 +67,109 @@ _PREFIX_RENAMES = (("model.language_model.", "model."), ("language_model.model."
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{path}: invalid JSON ({e})") from e
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot read ({e})") from e
-
-
-def _token_str(v: Any) -> str | None:
+def _token_str(v: Any, where: str) -> str | None:
     """A special-token entry of tokenizer_config: a string or an AddedToken dict."""
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return v["content"]
-    return None
+    raise ModelFormatError(f"{where} must be a string or {{\"content\": ...}}, got {str(v)[:80]}")
 
 
-def _pick_template(v: Any) -> str | None:
+def _pick_template(v: Any, where: str) -> str | None:
     """``chat_template`` as a string, or the ``default`` entry of a named list."""
-    if v is None or isinstance(v, str):
-        return v
     if isinstance(v, list):
         named = {t.get("name"): t.get("template") for t in v if isinstance(t, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return None
+        v = named.get("default") or next(iter(named.values()), None)
+    if v is None or isinstance(v, str):
+        return v
+    raise ModelFormatError(f"{where}: a chat template must be a string or a list of "
+                           f"{{\"name\", \"template\"}} entries, got {type(v).__name__}")
 
 
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header dict, byte offset of the data section) of a safetensors file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ModelFormatError(f"{path}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", raw)
-        hdr = f.read(n)
-    if len(hdr) < n:
-        raise ModelFormatError(f"{path}: truncated safetensors header")
-    try:
-        return json.loads(hdr), 8 + n
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{path}: corrupt safetensors header ({e})") from e
+def _id_list(v: Any, where: str) -> list[int]:
+    """An ``eos_token_id`` value: one token id or a list of them."""
+    ids = v if isinstance(v, list) else [v]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelFormatError(f"{where} must be a token id or a list of token ids (integers "
+                               f">= 0), got {str(v)[:80]}")
+    return list(ids)
 
 
 class _SafetensorsFile:
     """One safetensors file: names, dtypes and shapes up front; data on request."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, shown: Path):
         from safetensors import SafetensorError, safe_open
 
-        self.path = path
+        self.path = path  # resolved (a blob in the HF cache)
+        self.shown = shown  # as named in the folder, for messages
+        # Our own check first (duplicate names, offsets tiling the file, bounded header):
+        # nothing below reads data the header does not describe.
+        self.header = read_header(path, shown=shown)
+        self.meta = {n: (t.dtype, t.shape) for n, t in self.header.tensors.items()}
         try:
-            # safe_open validates the whole header and that the data section covers every
-            # tensor, so a truncated download fails here, naming the file.
-            with safe_open(str(path), framework="numpy") as f:
-                names = list(f.keys())
-                self.meta = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
-                             for n in names}
+            # safe_open checks the same layout again (defence in depth) before any read.
+            with safe_open(str(path), framework="numpy"):
+                pass
         except SafetensorError as e:
-            raise ModelFormatError(f"{path}: unreadable safetensors file ({e}); the file is "
+            raise ModelFormatError(f"{shown}: unreadable safetensors file ({e}); the file is "
                                    f"truncated or corrupt, download it again") from e
         except OSError as e:
-            raise ModelFormatError(f"{path}: cannot read ({e})") from e
-        self._header: tuple[dict, int] | None = None
+            raise ModelFormatError(f"{shown}: cannot read ({e})") from e
 
     def load(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a fresh float32 array in checkpoint orientation."""
-        dtype, shape = self.meta[name]
-        if dtype in _NUMPY_DTYPES:
+        t: TensorEntry = self.header.tensors[name]
+        if t.dtype in _NUMPY_DTYPES:
             from safetensors import safe_open
 
             with safe_open(str(self.path), framework="numpy") as f:
                 return np.asarray(f.get_tensor(name), dtype=np.float32)
-        if dtype == "BF16":
-            if self._header is None:
-                self._header = _safetensors_header(self.path)
-            hdr, base = self._header
-            start, end = hdr[name]["data_offsets"]
-            n = int(np.prod(shape, dtype=np.int64))
-            if end - start != 2 * n:
-                raise ModelFormatError(f"{self.path}: tensor {name!r} has {end - start} bytes "
-                                       f"for {n} bf16 values")
-            raw = np.fromfile(self.path, dtype="<u2", count=n, offset=base + start)
+        if t.dtype == "BF16":
+            n = (t.end - t.begin) // 2  # the header check made this prod(shape)
+            raw = np.fromfile(self.path, dtype="<u2", count=n, offset=t.begin)
+            if raw.size != n:
+                raise ModelFormatError(f"{self.shown}: tensor {name!r} is cut short; download "
+                                       f"it again")
             # bf16 is the high 16 bits of an IEEE fp32: widening is exact.
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
         raise UnsupportedModelError(
-            f"{self.path}: tensor {name!r} has dtype {dtype}; edgeinfer reads F32, F16, BF16 "
+            f"{self.shown}: tensor {name!r} has dtype {t.dtype}; edgeinfer reads F32, F16, BF16 "
             f"and F64 checkpoints (quantized HF checkpoints go through edgeinfer.quant)"
         )
 
 
-def _open_shards(folder: Path) -> dict[str, _SafetensorsFile]:
-    """Map checkpoint tensor name -> the file that holds it."""
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+def _open_shards(folder: Path, root: Path) -> dict[str, _SafetensorsFile]:
+    """Map checkpoint tensor name -> the file that holds it.
+
+    Every shard named by the index is confined to the model folder (``folder_file``)
+    before it is opened.
+    """
+    index = folder_file(folder, "model.safetensors.index.json", root=root)
+    if index is not None:
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelFormatError(f"{index}: no 'weight_map' dict")
+            raise ModelFormatError(f"{index}: no 'weight_map' object (tensor name -> shard "
+                                   f"file); re-download the model")
+        shard_of: dict[str, Path] = {}
+        for name, fname in weight_map.items():  # every path is checked before any is opened
+            if not isinstance(fname, str) or fname not in shard_of:
+                shard_of[fname] = folder_file(folder, fname, root=root, required=True,
+                                              field=f"{index.name} weight_map[{name!r}]")
         files: dict[str, _SafetensorsFile] = {}
         out: dict[str, _SafetensorsFile] = {}
         for name, fname in weight_map.items():
             if fname not in files:
-                fp = folder / fname
-                if not fp.exists():
-                    raise ModelFormatError(f"{index}: shard {fname} (holding {name!r}) is missing")
-                files[fname] = _SafetensorsFile(fp)
+                files[fname] = _SafetensorsFile(shard_of[fname], folder / fname)
             if name not in files[fname].meta:
                 raise ModelFormatError(f"{folder / fname}: tensor {name!r} listed in {index.name} "
                                        f"is not in the shard")
             out[name] = files[fname]
         return out
-    if single.exists():
-        f = _SafetensorsFile(single)
+    single = folder_file(folder, "model.safetensors", root=root)
+    if single is not None:
+        f = _SafetensorsFile(single, folder / "model.safetensors")
         return {n: f for n in f.meta}
     others = sorted(p.name for p in folder.glob("*.safetensors"))
     hint = f" (found {', '.join(others)} but no index)" if others else ""
@@ -188,42 +181,18 @@ def _open_shards(folder: Path) -> dict[str, _SafetensorsFile]:
 def _infer_add_bos(tok: dict, bos: str | None) -> bool:
     """Whether tokenizer.json's post-processor prepends a BOS token to single sequences."""
     pp = tok.get("post_processor") or {}
+    if not isinstance(pp, dict):
+        return False
     procs = pp.get("processors", []) if pp.get("type") == "Sequence" else [pp]
-    for proc in procs:
-        if proc.get("type") != "TemplateProcessing":
+    for proc in procs if isinstance(procs, list) else []:
+        if not isinstance(proc, dict) or proc.get("type") != "TemplateProcessing":
             continue
         single = proc.get("single") or []
-        if single and "SpecialToken" in single[0]:
-            first = single[0]["SpecialToken"].get("id")
-            return bos is None or first == bos
+        first = single[0] if isinstance(single, list) and single else None
+        if isinstance(first, dict) and isinstance(first.get("SpecialToken"), dict):
+            tid = first["SpecialToken"].get("id")
+            return bos is None or tid == bos
     return False
-
-
-def _token_id(tok: dict, text: str | None) -> int | None:
-    if text is None:
-        return None
-    for t in tok.get("added_tokens", []):
-        if t.get("content") == text:
-            return int(t["id"])
-    vocab = (tok.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict):
-        v = vocab.get(text)
-        return int(v) if v is not None else None
-    return None
-
-
-def _token_text(tok: dict, tid: int | None) -> str | None:
-    if tid is None:
-        return None
-    for t in tok.get("added_tokens", []):
-        if t.get("id") == tid:
-            return t.get("content")
-    vocab = (tok.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict):
-        for k, v in vocab.items():
-            if v == tid:
-                return k
-    return None
 
 
 def _canonical(name: str) -> str | None:
@@ -251,79 +220,88 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
 
     Returns:
         ModelSource with ``format="hf"``; ``tensors`` maps canonical names to loaders
-        yielding float32 arrays ``[out, in]`` (vectors ``[n]``); ``shapes`` is known
-        without loading.
+        yielding float32 arrays ``[out, in]`` (vectors ``[n]``; each checked for NaN/inf
+        when loaded); ``shapes`` is known without loading.
 
     Raises:
-        ModelFormatError: missing/invalid files, truncated safetensors, a missing tensor,
-            a wrong shape, an unexpected tensor in the decoder, or an untied config
-            without ``lm_head.weight`` (the message names the file and the tensor).
+        ModelFormatError: missing/invalid files, a file resolving outside the folder,
+            truncated safetensors, a missing tensor, a wrong shape, an unexpected tensor in
+            the decoder, a tokenizer that does not fit the config, or an untied config
+            without ``lm_head.weight`` (the message names the file and the tensor/field).
         UnsupportedModelError: unknown ``model_type``, quantized checkpoints, or
             dtypes other than F32/F16/BF16/F64.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelFormatError(f"{folder}: not a folder (expected a HF model folder)")
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists():
+    root = model_root(folder)
+
+    def file(name: str) -> Path | None:
+        return folder_file(folder, name, root=root)
+
+    cfg_path = file("config.json")
+    if cfg_path is None:
         raise ModelFormatError(f"{folder}: no config.json (expected a HF model folder)")
-    cfg_dict = _read_json(cfg_path)
-    if not isinstance(cfg_dict, dict):
-        raise ModelFormatError(f"{cfg_path}: expected a JSON object")
-    if cfg_dict.get("quantization_config"):
-        qm = cfg_dict["quantization_config"].get("quant_method", "?")
+    cfg_dict = read_json(cfg_path)
+    qc = cfg_dict.get("quantization_config")
+    if qc:
+        qm = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise UnsupportedModelError(
             f"{cfg_path}: a {qm}-quantized checkpoint; import it with the converter "
             f"(edgeinfer convert), read_hf_folder reads full-precision checkpoints"
         )
 
     # ---- tokenizer files ---------------------------------------------------------------
-    tok_path = folder / "tokenizer.json"
-    if not tok_path.exists():
+    tok_path = file("tokenizer.json")
+    if tok_path is None:
         raise ModelFormatError(f"{folder}: no tokenizer.json (edgeinfer needs the fast-"
                                f"tokenizer file; a SentencePiece tokenizer.model alone is "
                                f"not read)")
-    tokenizer_json = tok_path.read_text(encoding="utf-8")
-    try:
-        tok = json.loads(tokenizer_json)
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{tok_path}: invalid JSON ({e})") from e
-    tcfg_path = folder / "tokenizer_config.json"
-    tcfg = _read_json(tcfg_path) if tcfg_path.exists() else {}
+    tokenizer_json = read_text(tok_path, MAX_TOKENIZER_JSON_BYTES)
+    tok = parse_json(tokenizer_json, str(tok_path))
+    tcfg_path = file("tokenizer_config.json")
+    tcfg = read_json(tcfg_path) if tcfg_path else {}
     chat_template = None
-    if (folder / "chat_template.jinja").exists():
-        chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif (folder / "chat_template.json").exists():
-        chat_template = _pick_template(_read_json(folder / "chat_template.json").get("chat_template"))
+    jinja_path, ct_json_path = file("chat_template.jinja"), file("chat_template.json")
+    if jinja_path is not None:
+        chat_template = read_text(jinja_path)
+    elif ct_json_path is not None:
+        chat_template = _pick_template(read_json(ct_json_path).get("chat_template"),
+                                       str(ct_json_path))
     if chat_template is None:
-        chat_template = _pick_template(tcfg.get("chat_template"))
-    bos_token = _token_str(tcfg.get("bos_token"))
-    eos_token = _token_str(tcfg.get("eos_token"))
-    if bos_token is None:
-        bos_token = _token_text(tok, cfg_dict.get("bos_token_id"))
-    if eos_token is None:
-        e = cfg_dict.get("eos_token_id")
-        eos_token = _token_text(tok, e[0] if isinstance(e, list) and e else e)
-    if "add_bos_token" in tcfg:
-        add_bos = bool(tcfg["add_bos_token"])
-    else:
-        add_bos = _infer_add_bos(tok, bos_token)
+        chat_template = _pick_template(tcfg.get("chat_template"), f"{tcfg_path}")
+    chat_template = check_template(chat_template, str(jinja_path or ct_json_path or tcfg_path))
+    bos_token = _token_str(tcfg.get("bos_token"), f"{tcfg_path}: bos_token")
+    eos_token = _token_str(tcfg.get("eos_token"), f"{tcfg_path}: eos_token")
+    add_bos_cfg = tcfg.get("add_bos_token")
+    if add_bos_cfg is not None and not isinstance(add_bos_cfg, bool):
+        raise ModelFormatError(f"{tcfg_path}: add_bos_token must be true or false, got "
+                               f"{add_bos_cfg!r}")
 
     # ---- generation config + EOS union (C06) -------------------------------------------
-    gen_path = folder / "generation_config.json"
-    generation: dict = _read_json(gen_path) if gen_path.exists() else {}
+    gen_path = file("generation_config.json")
+    generation: dict = read_json(gen_path) if gen_path else {}
     extra_eos: list[int] = []
-    ge = generation.get("eos_token_id")
-    if ge is not None:
-        extra_eos += [ge] if isinstance(ge, int) else [int(x) for x in ge]
+    if generation.get("eos_token_id") is not None:
+        extra_eos = _id_list(generation["eos_token_id"], f"{gen_path}: eos_token_id")
         generation["eos_token_id"] = list(extra_eos)
-    tid = _token_id(tok, eos_token)
-    if tid is not None:
-        extra_eos.append(tid)
     config = config_from_dict(cfg_dict, str(cfg_path), extra_eos=extra_eos)
 
+    # ---- the tokenizer against the config -----------------------------------------------
+    check_tokenizer_json(tok, str(tok_path), config.vocab_size,
+                         {"tokenizer_config.json bos_token": bos_token,
+                          "tokenizer_config.json eos_token": eos_token})
+    if bos_token is None:
+        bos_token = token_text(tok, config.bos_token_id)
+    if eos_token is None and config.eos_token_ids:
+        eos_token = token_text(tok, config.eos_token_ids[0])
+    add_bos = add_bos_cfg if add_bos_cfg is not None else _infer_add_bos(tok, bos_token)
+    tid = token_id(tok, eos_token)
+    if tid is not None and tid not in config.eos_token_ids:
+        config.eos_token_ids.append(tid)
+
     # ---- tensors -------------------------------------------------------------------------
-    where = _open_shards(folder)
+    where = _open_shards(folder, root)
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     origin: dict[str, str] = {}
@@ -332,14 +310,15 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
         if canon is None:
             continue
         if canon in loaders:
-            raise ModelFormatError(f"{f.path}: tensor {canon!r} appears twice (also as "
+            raise ModelFormatError(f"{f.shown}: tensor {canon!r} appears twice (also as "
                                    f"{origin[canon]!r})")
-        loaders[canon] = (lambda f=f, n=name: f.load(n))
+        loaders[canon] = finite_loader(lambda f=f, n=name: f.load(n), canon, str(f.shown))
         shapes[canon] = f.meta[name][1]
         origin[canon] = name
     dtypes: dict[str, int] = {}
     for name, f in where.items():
         dtypes[f.meta[name][0]] = dtypes.get(f.meta[name][0], 0) + 1
+    check_layer_count(config.num_hidden_layers, shapes, str(folder), "num_hidden_layers")
     split_fused(config, loaders, shapes, str(folder))  # e.g. Phi-3's qkv_proj, gate_up_proj
 
     if config.tie_word_embeddings:
@@ -359,7 +338,7 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
             f"tie_word_embeddings=true if the head is meant to be shared)"
         )
 
-    expected = {s.name for s in tensor_specs(config)}
+    expected = {s.name for s in expected_specs(config, shapes, str(folder))}
     unexpected = sorted(n for n in loaders if n not in expected)
     if unexpected:
         raise ModelFormatError(
@@ -381,7 +360,7 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
         eos_token=eos_token,
         add_bos_token=add_bos,
         generation=generation,
-        provenance={"files": sorted({str(f.path.name) for f in where.values()}),
+        provenance={"files": sorted({str(f.shown.name) for f in where.values()}),
                     "dtypes": dtypes},
     )
     src.validate()
