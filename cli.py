@@ -73,6 +73,33 @@ def _sampling(args, model=None) -> dict:
     return {**model.sampling_defaults(CHAT_BASE), **given}
 
 
+def _constraint(args) -> dict:
+    """``json_schema=`` / ``grammar=`` from --json-schema / --grammar FILE (read and
+    compiled before the model loads, so a bad file costs no load).
+
+    Raises:
+        GrammarError: the file is not a valid JSON schema / grammar.
+        FileNotFoundError: no such file.
+    """
+    from edgeinfer.constrained import Grammar
+
+    if getattr(args, "json_schema", None):
+        with open(args.json_schema, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return {"grammar": Grammar.from_json_schema(text)}
+        except EdgeInferError as e:
+            raise type(e)(f"--json-schema {args.json_schema}: {e}") from None
+    if getattr(args, "grammar", None):
+        with open(args.grammar, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return {"grammar": Grammar.from_lark(text)}
+        except EdgeInferError as e:
+            raise type(e)(f"--grammar {args.grammar}: {e}") from None
+    return {}
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -177,11 +204,12 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    constrained = _constraint(args)
     model = _load(args)
     _compile_notice(model)
     final = None
     for ev in model.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
-                           **_sampling(args)):
+                           **constrained, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -410,6 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(s, chat=False)
     s.add_argument("--prompt", "-p", required=True)
     s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the output to one JSON value valid under the JSON schema "
+                        "in FILE ('{\"type\": \"object\"}': any object)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="constrain the output to the Lark grammar in FILE (llguidance's dialect)")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="chat in the terminal")

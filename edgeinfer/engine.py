@@ -49,6 +49,8 @@ class GenerationStats:
         itl_mean_s / itl_p90_s: inter-token latency, seconds.
         kv_bytes: bytes of KV cache in use (positions held × bytes per position).
         peak_rss_mb: the process's peak resident memory, MiB.
+        dropped_turns: oldest whole turns a chat dropped to fit the context
+            (:meth:`edgeinfer.api.Model.chat_stream`); 0 otherwise.
     """
 
     prompt_tokens: int = 0
@@ -61,6 +63,7 @@ class GenerationStats:
     itl_p90_s: float = 0.0
     kv_bytes: int = 0
     peak_rss_mb: float = 0.0
+    dropped_turns: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -245,7 +248,8 @@ class Engine:
     # ---- generation ------------------------------------------------------------------
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                max_tokens: int = 256, stop: Sequence[str] = (),
-               cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+               cancel: threading.Event | None = None,
+               constraint=None) -> Iterator[GenerationEvent]:
         """Generate from ``prompt_ids``, yielding events (see :class:`GenerationEvent`).
 
         Args:
@@ -254,9 +258,12 @@ class Engine:
             max_tokens: most tokens to generate.
             stop: stop strings; matched text is not emitted.
             cancel: checked between steps; when set the stream ends with "cancelled".
+            constraint: an :class:`edgeinfer.constrained.Constraint` (fresh, at the
+                grammar's start): each token is sampled under its mask.
 
         Raises:
             ContextOverflowError: the prompt does not fit the context.
+            GrammarError: the constraint failed (a grammar limit).
         """
         params = params or SamplingParams(temperature=0.0)
         rng = np.random.default_rng(params.seed)
@@ -282,7 +289,8 @@ class Engine:
                 if sampler is None or sampler.vocab != logits.shape[-1]:
                     sampler = Sampler(logits.shape[-1])
                 sampler.start(params, prompt_ids)
-            token = sampler.sample(logits, rng)
+            token = sampler.sample(logits, rng,
+                                   None if constraint is None else constraint.fill())
             now = time.perf_counter()
             if stats.generated_tokens == 0:
                 stats.ttft_s = now - t0
@@ -294,6 +302,8 @@ class Engine:
             finish = stopper.on_token(token)
             if finish == "stop":  # an EOS id (on_token's only "stop"): not emitted
                 break
+            if constraint is not None:
+                constraint.accept(token)
             text, finish_text = stopper.feed(detok.add(token))
             if text:
                 yield GenerationEvent(text=text, token=token)
