@@ -23,7 +23,11 @@ from .backends.errors import BackendUnavailableError as _BackendUnavailable
 from .constrained import Grammar, as_grammar
 from .engine import Engine, GenerationEvent, GenerationStats, peak_rss_mb
 from .errors import BackendUnavailableError, EdgeInferError, ModelFormatError
-from .memory import release_free_heap, release_jit_compiler_pages
+from .memory import (
+    context_length,
+    release_free_heap,
+    release_jit_compiler_pages,
+)
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
 from .tokenizer import Tokenizer
@@ -31,7 +35,6 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("edgeinfer")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_CTX = 4096
 #: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
 #: the bytes of f16 (benchmarks/kv_quality.py; README table).
 DEFAULT_KV_DTYPE = "int8"
@@ -90,8 +93,9 @@ class Model:
     Args:
         source: the model description (from :func:`edgeinfer.readers.read_model`).
         backend: "cpu", "reference" or "opencl" (default: :func:`default_backend`).
-        n_ctx: context length in tokens (KV cache positions preallocated); default: the
-            most ``max_memory`` allows, else 4096 (capped by the model's positions).
+        n_ctx: context length in tokens (KV cache positions preallocated); default:
+            4096, lowered to what ``max_memory`` allows, capped by the model's positions
+            (:func:`edgeinfer.memory.context_length`).
         kv_dtype: KV cache storage dtype: "int8" (default), "f32", "f16", "int4", "k8v4".
         max_memory: total memory budget in MiB (weights + scratch + KV cache); the
             context is sized to fit, and a model that cannot fit is refused before any
@@ -133,7 +137,6 @@ class Model:
                 raise MemoryBudgetError(
                     f"a context of {n_ctx} tokens does not fit in --max-memory {max_memory:g} MiB "
                     f"(at most {self.memory_plan.max_context}):\n{format_plan(self.memory_plan)}")
-            n_ctx = n_ctx or self.memory_plan.max_context
         opts = {}
         if threads is not None:
             opts["threads"] = threads
@@ -147,7 +150,8 @@ class Model:
             raise BackendUnavailableError(str(e)) from e
         if name == "opencl" and self_check:
             self.backend = self._checked_opencl(self.backend, source, kv_dtype, threads)
-        n_ctx = min(n_ctx or DEFAULT_CTX, model_max)
+        n_ctx = context_length(model_max, n_ctx,
+                               self.memory_plan.max_context if self.memory_plan else None)
         t0 = time.perf_counter()
         self.transformer = Transformer(source.config, source.tensors, self.backend,
                                        max_positions=max(n_ctx, 1))
@@ -288,7 +292,7 @@ class Model:
     # ---- generation ------------------------------------------------------------------
     def stream_ids(self, ids: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                    cancel: threading.Event | None = None, json_schema=None, grammar=None,
-                   **sampling) -> Iterator[GenerationEvent]:
+                   leading_space: bool = True, **sampling) -> Iterator[GenerationEvent]:
         """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
@@ -303,6 +307,10 @@ class Model:
         always parses; one cut by ``max_tokens`` ends with finish reason "length". The
         first constrained call on a model builds the vocabulary's token table (about a
         second for 150k ids), later ones reuse it.
+
+        ``leading_space``: a completion keeps the space that begins its first word on
+        SentencePiece models whose decoder strips it (" there", as llama.cpp prints it);
+        :meth:`chat_stream` passes False (a reply starts at its first character).
 
         Every stream ends with one event whose ``finish_reason`` and ``stats`` are set
         (a stream cancelled before it started gets stats with 0 generated tokens).
@@ -324,7 +332,8 @@ class Model:
         ids = list(ids)
         self.engine.check_prompt(ids)
         constraint = self.constraint(as_grammar(json_schema, grammar))
-        return self._locked_stream(ids, params, max_tokens, stop, cancel, constraint)
+        return self._locked_stream(ids, params, max_tokens, stop, cancel, constraint,
+                                   leading_space)
 
     def constraint(self, grammar: Grammar | None):
         """A fresh :class:`edgeinfer.constrained.Constraint` of ``grammar`` for this
@@ -336,7 +345,8 @@ class Model:
         vocab = self.config.vocab_size
         return Constraint(token_table(self.tokenizer, vocab), grammar, vocab)
 
-    def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None):
+    def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None,
+                       leading_space=True):
         while not self._lock.acquire(timeout=0.05):
             if cancel is not None and cancel.is_set():
                 yield GenerationEvent(finish_reason="cancelled", stats=GenerationStats(
@@ -344,7 +354,8 @@ class Model:
                 return
         try:
             yield from self.engine.stream(ids, params=params, max_tokens=max_tokens,
-                                          stop=stop, cancel=cancel, constraint=constraint)
+                                          stop=stop, cancel=cancel, constraint=constraint,
+                                          leading_space=leading_space)
         finally:
             self._lock.release()
 
@@ -407,7 +418,7 @@ class Model:
                                    lambda t: self.tokenizer.decode(t, skip_special=False))
         if len(spliced) <= self.n_ctx:
             ids = spliced
-        events = self.stream_ids(ids, **kw)
+        events = self.stream_ids(ids, leading_space=False, **kw)
         return _with_dropped_turns(events, dropped) if dropped else events
 
     def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,

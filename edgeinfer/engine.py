@@ -249,7 +249,7 @@ class Engine:
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                max_tokens: int = 256, stop: Sequence[str] = (),
                cancel: threading.Event | None = None,
-               constraint=None) -> Iterator[GenerationEvent]:
+               constraint=None, leading_space: bool = True) -> Iterator[GenerationEvent]:
         """Generate from ``prompt_ids``, yielding events (see :class:`GenerationEvent`).
 
         Args:
@@ -260,6 +260,9 @@ class Engine:
             cancel: checked between steps; when set the stream ends with "cancelled".
             constraint: an :class:`edgeinfer.constrained.Constraint` (fresh, at the
                 grammar's start): each token is sampled under its mask.
+            leading_space: keep the space that begins the first word where a
+                SentencePiece decoder strips it (a completion of "Once upon a time,"
+                starts " there", as llama.cpp prints it); chat replies pass False.
 
         Raises:
             ContextOverflowError: the prompt does not fit the context.
@@ -268,7 +271,7 @@ class Engine:
         params = params or SamplingParams(temperature=0.0)
         rng = np.random.default_rng(params.seed)
         tok = self.tokenizer
-        detok = StreamingDetokenizer(tok)
+        detok = StreamingDetokenizer(tok, leading_space=leading_space)
         stopper = StopChecker(tok.eos_ids, list(stop), max_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()

@@ -249,6 +249,7 @@ class _Server:
         check_fields(body, True, self.log_once)
         req = parse_common(body, self.model_name, self.sampling_defaults)
         messages = get_messages(body)
+        req.chat = True
         req.grammar = get_response_format(body)
         tools = get_tools(body)
         if tools.active:

@@ -223,6 +223,7 @@ class GenRequest:
     grammar: object = None  # an edgeinfer.constrained.Grammar the output must match
     tools: object = None  # an active edgeinfer.server_fields.ToolRequest (chat only)
     dropped_turns: int = 0  # oldest chat turns dropped to fit the context
+    chat: bool = False  # a chat reply (no SentencePiece leading space restored)
 
 
 def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> GenRequest:

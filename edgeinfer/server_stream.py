@@ -61,6 +61,7 @@ class Generation:
             max_tokens = self.req.max_tokens or max(1, self.model.n_ctx - len(self.ids))
             for ev in self.model.stream_ids(self.ids, max_tokens=max_tokens, stop=self.req.stop,
                                             cancel=self.cancel, grammar=self.req.grammar,
+                                            leading_space=not self.req.chat,
                                             **self.req.sampling):
                 if ev.finish_reason is not None:
                     finish = ev.finish_reason
