@@ -368,7 +368,7 @@ class Model:
         return "".join(ev.text for ev in self.stream(prompt, **kw))
 
     def chat_stream(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
-                    tool_choice=None, parallel_tool_calls: bool = True,
+                    tool_choice=None, parallel_tool_calls: bool = False,
                     **kw) -> Iterator[GenerationEvent]:
         """Stream the assistant's reply to OpenAI-style messages ``[{"role", "content"}]``.
 
@@ -384,8 +384,8 @@ class Model:
         then may hold ``<tool_call>`` blocks (:func:`edgeinfer.tools.parse_tool_calls`
         reads them). ``tool_choice``: "auto" (default), "none" (tools not rendered),
         "required" or a function name / ``{"type": "function", "function": {"name"}}``
-        (the reply is forced to be such calls, through a grammar; one call only when
-        ``parallel_tool_calls`` is False).
+        (the reply is forced to be such a call, through a grammar: one call, or for
+        "required" with ``parallel_tool_calls`` one or more).
 
         Raises:
             ContextOverflowError: even the system prompt and the last turn do not fit.

@@ -334,7 +334,7 @@ class _Server:
         calls = []
         if gen.req.tools is not None:
             from .tools import parse_tool_calls
-            text, calls = parse_tool_calls(text)
+            text, calls = parse_tool_calls(text, gen.req.tools.names)
         reason = openai_finish_reason(final.finish_reason if final else None, bool(calls))
         usage = usage_of(final.stats if final else None,
                          gen.req.dropped_turns if chat else None)
@@ -381,7 +381,7 @@ class _Server:
         parser = None
         if gen.req.tools is not None:
             from .tools import ToolCallParser
-            parser = ToolCallParser()
+            parser = ToolCallParser(names=gen.req.tools.names)
 
         def tool_chunks(events: list[tuple]):
             for e in events:

@@ -131,7 +131,11 @@ class ToolRequest:
 
     tools: list[dict] | None
     choice: str  # "auto", "none", "required" or a function name
-    parallel: bool = True
+    parallel: bool = False  # a forced ("required") reply may hold several calls
+
+    @property
+    def names(self) -> frozenset:
+        return frozenset(t["function"]["name"] for t in self.tools or ())
 
     @property
     def active(self) -> bool:
@@ -157,4 +161,4 @@ def get_tools(body: dict) -> ToolRequest:
         choice = normalize_tool_choice(body.get("tool_choice"), tools)
     except ToolError as e:
         raise invalid(e.param or "tools", str(e)) from None
-    return ToolRequest(tools, choice, parallel is not False)
+    return ToolRequest(tools, choice, parallel is True)

@@ -156,13 +156,15 @@ def _tag(tokenizer, tag: str) -> str:
 
 
 def call_grammar(tools: Sequence[dict], choice: str, tokenizer=None,
-                 parallel: bool = True) -> Grammar | None:
+                 parallel: bool = False) -> Grammar | None:
     """The grammar that forces tool calls for ``choice`` ("required": any of ``tools``,
     or a function name), None for "auto" / "none".
 
     Each call is ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`` with
-    ARGS valid under the function's ``parameters`` schema; ``parallel`` allows more calls
-    after the first (separated by a newline), else exactly one.
+    ARGS valid under the function's ``parameters`` schema. One call, then the end of the
+    reply; ``parallel`` (a "required" choice with ``parallel_tool_calls: true``) allows
+    more calls after the first, separated by a newline (a small model may then repeat
+    its call up to ``max_tokens``).
 
     Raises:
         GrammarError: a parameters schema llguidance cannot compile.
@@ -179,7 +181,7 @@ def call_grammar(tools: Sequence[dict], choice: str, tokenizer=None,
     head, tail = _lark_literal('\n{"name": "'), _lark_literal("}\n")
     call = (f"call: {_tag(tokenizer, OPEN_TAG)} {head} ({' | '.join(alts)}) {tail} "
             f"{_tag(tokenizer, CLOSE_TAG)}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    start = 'start: call ("\\n" call)*' if parallel and choice == "required" else "start: call"
     return Grammar.from_lark("\n".join([start, call, *rules]))
 
 
@@ -237,10 +239,20 @@ class ToolCallParser:
     the call object's own closing brace). A block whose JSON does not start with
     ``"name"`` is parsed whole at ``</tool_call>``; one that is not a call at all comes
     out as content, as written.
+
+    Small models often drop the tags and answer with the bare call object
+    (``{"name": "get_weather", "arguments": {...}}``), or that object in a Markdown code
+    fence: a reply that begins with ``{`` or a fence is held to its end, and is a call
+    when it is exactly such an object naming one of ``names``; otherwise it is content.
+
+    Attributes:
+        names: the tools' function names (for the bare-object rule; empty: never).
+        calls: the calls parsed so far.
     """
 
+    names: frozenset = frozenset()
     calls: list[ToolCall] = field(default_factory=list)
-    _mode: str = "content"  # "content", "head" (after <tool_call>), "args"
+    _mode: str = "start"  # "start", "content", "head" (after <tool_call>), "args", "bare"
     _buf: str = ""
     _sent: int = 0  # chars of the current call's arguments already sent
 
@@ -248,7 +260,19 @@ class ToolCallParser:
         self._buf += text
         events: list[tuple] = []
         while True:
-            if self._mode == "content":
+            if self._mode == "start":  # nothing emitted yet: a bare call object?
+                lead = self._buf.lstrip()
+                if not lead:
+                    return events
+                if self.names and (lead[0] == "{" or lead.startswith("```")):
+                    self._mode = "bare"
+                elif self.names and "```".startswith(lead):
+                    return events  # maybe a fence: wait for more
+                else:
+                    self._mode = "content"
+            elif self._mode == "bare":
+                return events
+            elif self._mode == "content":
                 i = self._buf.find(OPEN_TAG)
                 if i < 0:
                     keep = _partial_suffix(self._buf, OPEN_TAG)
@@ -302,7 +326,14 @@ class ToolCallParser:
         """End of the text: what is still held (an unclosed call's arguments, or the
         text of an unfinished block as content)."""
         events: list[tuple] = []
-        if self._mode == "args":
+        if self._mode in ("bare", "start") and self._buf:
+            obj = _json_or_none(_unfenced(self._buf))
+            if isinstance(obj, dict) and set(obj) == {"name", "arguments"} \
+                    and obj["name"] in self.names and isinstance(obj["arguments"], dict):
+                events.extend(self._call_events(obj))
+            else:
+                events.append(("content", self._buf))
+        elif self._mode == "args":
             stop = _args_end(self._buf)
             if stop > self._sent:
                 piece = self._buf[self._sent:stop]
@@ -315,20 +346,33 @@ class ToolCallParser:
         self._buf, self._mode = "", "content"
         return events
 
+    def _call_events(self, obj: dict) -> list[tuple]:
+        args = obj["arguments"]
+        call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", obj["name"],
+                        args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        self.calls.append(call)
+        return [("call", ToolCall(call.index, call.id, call.name)),
+                ("arguments", call.index, call.arguments)]
+
     def _whole_block(self, block: str) -> list[tuple]:
         """A block whose head did not match: a call if it parses as one, else content."""
-        try:
-            obj = json.loads(block)
-        except json.JSONDecodeError:
-            obj = None
+        obj = _json_or_none(block)
         if isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj:
-            args = obj["arguments"]
-            call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", obj["name"],
-                            args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-            self.calls.append(call)
-            return [("call", ToolCall(call.index, call.id, call.name)),
-                    ("arguments", call.index, call.arguments)]
+            return self._call_events(obj)
         return [("content", OPEN_TAG + block + CLOSE_TAG)]
+
+
+def _unfenced(text: str) -> str:
+    """The body of a Markdown code fence (```json ... ```) filling ``text``, else ``text``."""
+    m = re.fullmatch(r"\s*```[A-Za-z]*\s*\n(.*?)\n?\s*```\s*", text, re.S)
+    return m.group(1) if m else text
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -348,10 +392,11 @@ def _args_end(body: str) -> int:
     return len(s)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole generated text: :class:`ToolCallParser` in one go.
-    Content is the text outside the calls, stripped."""
-    p = ToolCallParser()
+def parse_tool_calls(text: str, names=()) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole generated text: :class:`ToolCallParser` in one go
+    (``names``: the tools' function names, for a bare call object). Content is the text
+    outside the calls, stripped."""
+    p = ToolCallParser(names=frozenset(names))
     events = p.feed(text) + p.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     return content.strip(), p.calls
