@@ -53,13 +53,18 @@ def rss_mib() -> float:
 
 
 class Bridge(QObject):
-    """Signals from the worker threads to the window."""
+    """Signals from the worker threads to the window. They carry only strings and ints
+    (the loaded model and the final event wait in ``result`` for the slot to take)."""
 
     status = Signal(str, int)       # loading: message, progress 0-100
-    loaded = Signal(object)         # the Model
+    loaded = Signal()               # result: the Model
     failed = Signal(str)            # loading or generation error
     delta = Signal(str, int)        # streamed text, tokens generated so far
-    finished = Signal(object)       # the final GenerationEvent
+    finished = Signal()             # result: the final GenerationEvent (or None)
+
+    def __init__(self):
+        super().__init__()
+        self.result = None
 
 
 class ChatWindow(QWidget):
@@ -128,7 +133,8 @@ class ChatWindow(QWidget):
             except Exception as e:  # noqa: BLE001  shown in the window
                 self.bridge.failed.emit(f"cannot load {name_or_path}: {e}")
                 return
-            self.bridge.loaded.emit(model)
+            self.bridge.result = model
+            self.bridge.loaded.emit()
 
         self.bridge.status.emit(f"loading {name_or_path}...", 5)
         threading.Thread(target=work, name="load-model", daemon=True).start()
@@ -142,7 +148,8 @@ class ChatWindow(QWidget):
             self.progress.setValue(max(self.progress.value(), value))
         self.stats.setText(message)
 
-    def _on_loaded(self, model) -> None:
+    def _on_loaded(self) -> None:
+        model, self.bridge.result = self.bridge.result, None
         self.model = model
         self.progress.setValue(100)
         self.stats.setText(f"ready: {model.backend.name} backend, context {model.n_ctx} "
@@ -193,7 +200,8 @@ class ChatWindow(QWidget):
                         final = ev
             except Exception as e:  # noqa: BLE001  shown in the window
                 self.bridge.failed.emit(f"error: {e}")
-            self.bridge.finished.emit(final)
+            self.bridge.result = final
+            self.bridge.finished.emit()
 
         threading.Thread(target=work, name="chat-answer", daemon=True).start()
 
@@ -215,7 +223,8 @@ class ChatWindow(QWidget):
         rate = f"{(tokens - n1) / (now - t1):.1f} tok/s" if tokens > n1 else "first token"
         self.stats.setText(f"answering... {tokens} tokens, {rate}, memory {rss_mib():.0f} MiB")
 
-    def _on_finished(self, final) -> None:
+    def _on_finished(self) -> None:
+        final, self.bridge.result = self.bridge.result, None
         self.last_final = final
         reply = "".join(self._reply)
         self.messages.append({"role": "assistant", "content": reply})
