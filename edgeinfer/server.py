@@ -29,6 +29,14 @@ Policy (documented for users):
   --max-tokens N``) when one is set; ``presence_penalty`` and
   ``frequency_penalty`` in [-2, 2] are applied; ``top_k``, ``min_p`` and
   ``repetition_penalty`` are accepted as extensions (as llama.cpp's server does).
+* ``response_format`` (json_object / json_schema) constrains the output
+  (:mod:`edgeinfer.constrained`); chat ``tools`` / ``tool_choice`` are rendered by the
+  model's template and calls parsed into ``tool_calls`` (:mod:`edgeinfer.tools`; a
+  template without tool support is a 400 saying why). A known OpenAI parameter that
+  would change the result and is not supported is a 400 naming it; an unknown field is
+  accepted and logged once (:mod:`edgeinfer.server_fields`).
+* A chat that outgrows the context drops its oldest turns (room for ``max_tokens``, 256
+  when unset, at most half the context) and says how many in ``usage.dropped_turns``.
 * ``created`` is the time the request arrived (seconds since the epoch), as OpenAI's.
 * One log line per request on the ``edgeinfer.server.access`` logger (INFO): method,
   path, status, prompt+completion tokens, seconds (:func:`serve` prints them on stderr
