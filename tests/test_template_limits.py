@@ -14,10 +14,12 @@ from edgeinfer.chat_template import (
     compile_chat_template,
     render_chat_template,
 )
+from edgeinfer.conversation import fit_messages
 from edgeinfer.errors import ContextOverflowError
 from edgeinfer.template_sandbox import CHARS_PER_CONTEXT_TOKEN, MAX_INT_BITS, WRITE_FACTOR
+from edgeinfer.tokenizer import Tokenizer
 
-from test_chat_template import CHATML_TEMPLATE
+from test_chat_template import CHATML_TEMPLATE, chatml_tokenizer_json
 
 SMALL = RenderLimits(max_chars=10_000, timeout_s=0.5)
 
@@ -148,6 +150,30 @@ def test_real_templates_render_unchanged_within_the_limits():
     assert render_chat_template(CHATML_TEMPLATE, msgs, render_limits=limits) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_conversation_too_large_to_render_drops_old_turns():
+    """A long chat outgrows the render limit long before the template is slow: the oldest
+    turns are dropped (fit_messages counts a too-large render as not fitting)."""
+    tok = Tokenizer.from_json_text(chatml_tokenizer_json(), eos_token="<|im_end|>",
+                                   chat_template=CHATML_TEMPLATE)
+    n_ctx = 400
+    limits = RenderLimits.for_context(n_ctx)  # 3200 characters
+    msgs = []
+    for i in range(40):
+        msgs += [{"role": "user", "content": f"hello world {i}"},
+                 {"role": "assistant", "content": "a" * 100}]
+    msgs.append({"role": "user", "content": "What is 2+2?"})
+
+    def ids(m):
+        return tok.apply_chat_template(m, render_limits=limits)
+
+    with pytest.raises(ChatTemplateTooLargeError):
+        ids(msgs)
+    kept, dropped = fit_messages(msgs, ids, n_ctx, reserve=50)
+    assert dropped > 0 and kept[-1] == msgs[-1] and len(ids(kept)) <= n_ctx - 50
+    with pytest.raises(ContextOverflowError, match="renders to more than 400 tokens"):
+        fit_messages([{"role": "user", "content": "z" * 5000}], ids, n_ctx, reserve=50)
 
 
 # ---------------------------------------------------------------- errors
