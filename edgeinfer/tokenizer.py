@@ -92,8 +92,10 @@ def _has_byte_fallback(node: Any) -> bool:
 class Tokenizer:
     """Text ↔ token ids for one model, plus its chat template and end-of-sequence ids.
 
-    Construct with ``from_json_text`` or ``from_hf_configs``. Instances are immutable
-    and safe to share between threads (``tokenizers`` encode/decode release no state).
+    Construct with ``from_json_text`` or ``from_hf_configs``. Safe to share between
+    threads: encodes take one lock (two kinds change a backend setting for the duration
+    of one encode, see the module docstring); decodes need none. Encode through this
+    class, not through ``backend``, while other threads may be encoding.
     """
 
     def __init__(
