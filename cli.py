@@ -180,8 +180,8 @@ def cmd_generate(args) -> int:
     model = _load(args)
     _compile_notice(model)
     final = None
-    for ev in model.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
-                           **_sampling(args)):
+    for ev in model.stream(args.prompt, parse_special=args.parse_special,
+                           max_tokens=args.max_tokens, stop=args.stop, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -245,9 +245,15 @@ def cmd_perplexity(args) -> int:
     model = _load(args)
     if not args.quiet:
         _compile_notice(model)
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
-    ids = model.tokenizer.encode(text, add_special=False)
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        print(f"error: {args.text} is not UTF-8 text ({e.reason} at byte {e.start})",
+              file=sys.stderr)
+        return 1
+    # special-token strings in the text ("<unk>" in WikiText) are text, as in llama.cpp
+    ids = model.tokenizer.encode(text, add_special=False, parse_special=False)
     res = perplexity(model.transformer, ids, n_ctx=args.chunk, n_chunks=args.chunks,
                      bos_id=model.tokenizer.bos_id if model.tokenizer.add_bos_token else None,
                      progress=not args.quiet, kv_dtype=model.engine.kv_dtype)
@@ -409,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(s)
     _add_sampling_args(s, chat=False)
     s.add_argument("--prompt", "-p", required=True)
+    s.add_argument("--parse-special", action=argparse.BooleanOptionalAction, default=True,
+                   help="special-token strings in the prompt (e.g. <|im_start|>) become control "
+                        "tokens (default, as llama.cpp); --no-parse-special encodes them as "
+                        "plain text")
     s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
     s.set_defaults(func=cmd_generate)
 

@@ -191,6 +191,7 @@ def llama_ppl(gguf_path: str, token_src: str, chunks: int) -> dict:
 
     src = read(token_src)
     tok = Tokenizer.from_str(src.tokenizer_json)
+    tok.encode_special_tokens = True  # "<unk>" in WikiText is text (llama.cpp: parse_special=false)
     text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
     toks = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
     bos = src.config.bos_token_id if src.add_bos_token else None
@@ -250,6 +251,7 @@ def ppl_of(path: str, chunks: int) -> dict:
 
     src = read(path)
     tok = Tokenizer.from_str(src.tokenizer_json)
+    tok.encode_special_tokens = True  # "<unk>" in WikiText is text (llama.cpp: parse_special=false)
     text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_special_tokens=False).ids
     bos = src.config.bos_token_id if src.add_bos_token else None

@@ -1,7 +1,8 @@
 """Calibration data and the layer-by-layer quantization driver.
 
 Calibration text:
-  * ``calib_path`` (plain text): tokenized once (no special tokens) and cut into
+  * ``calib_path`` (plain text): tokenized once (no special tokens added; special-token
+    strings in it, such as WikiText's "<unk>", are encoded as text) and cut into
     ``n_seq`` windows of ``seq_len`` tokens at seeded random offsets (GPTQ's recipe); with
     ``add_bos_token`` the first token of each window is replaced by BOS, like the model sees
     text at inference;
@@ -87,7 +88,9 @@ def calibration_ids(source: ModelSource, calib_path: str | None = None, n_seq: i
         n_seq, seq_len = n_seq or 32, seq_len or 512
         with open(calib_path, encoding="utf-8") as f:
             text = f.read()
-        toks = np.asarray(_tokenizer(source).encode(text, add_special_tokens=False).ids, np.int32)
+        tok = _tokenizer(source)
+        tok.encode_special_tokens = True  # "<unk>" in the text is text, as in perplexity
+        toks = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)
         if len(toks) < 16:
             raise ValueError(f"calibration file {calib_path} has only {len(toks)} tokens")
         seq_len = min(seq_len, len(toks))
