@@ -166,6 +166,21 @@ class CalibrationBackend(ReferenceBackend):
     products and softmax as the reference einsum, BLAS-fast; nothing is kept in the cache).
     Any other call is the reference's."""
 
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._masks: dict = {}
+
+    def _mask(self, t: int, window: int | None) -> np.ndarray:
+        """Additive causal (and sliding-window) mask [t, t]: 0 where visible, -inf elsewhere."""
+        masks = self._masks
+        if (t, window) not in masks:
+            pos = np.arange(t)
+            visible = pos[None, :] <= pos[:, None]
+            if window is not None:
+                visible &= pos[None, :] > pos[:, None] - window
+            masks[(t, window)] = np.where(visible, np.float32(0), np.float32(-np.inf))
+        return masks[(t, window)]
+
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:
             return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
@@ -178,11 +193,7 @@ class CalibrationBackend(ReferenceBackend):
         scores *= np.float32(scale)
         if softcap:
             scores = np.tanh(scores / softcap) * softcap
-        pos = np.arange(t)
-        visible = pos[None, :] <= pos[:, None]
-        if window is not None:
-            visible &= pos[None, :] > pos[:, None] - window
-        scores[:, :, ~visible] = -np.inf
+        scores += self._mask(t, window)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
@@ -191,18 +202,24 @@ class CalibrationBackend(ReferenceBackend):
                                     ).reshape(t, hq, hd).astype(np.float32)
 
 
-def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope, stats=None) -> np.ndarray:
-    """Run layer ``i`` on every calibration sequence x [N, L, D]; feed captures to ``stats``."""
+def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
+               stats=None) -> np.ndarray | None:
+    """Run layer ``i`` on every calibration sequence x [N, L, D] and return its output; with
+    ``stats``, only feed the captured linear inputs to ``stats(j, capture)`` (the layer's
+    last projection is skipped) and return None."""
     names = layer_tensor_names(i)
     lw = upload_layer(be, {names[k]: v for k, v in tensors_short.items()}, i)
     n, L, _ = x.shape
     pos = np.arange(L, dtype=np.int32)
-    y = np.empty_like(x)
+    y = np.empty_like(x) if stats is None else None
     for j in range(n):
         cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)
-        cap = {} if stats is not None else None
-        y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap)
-        if stats is not None:
+        if stats is None:
+            y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i)
+        else:
+            cap: dict = {}
+            decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap,
+                          capture_only=True)
             stats(j, cap)
     return y
 
