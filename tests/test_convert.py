@@ -219,6 +219,24 @@ def test_perplexity_llama_cpp_method():
         perplexity(m, ids[:20], n_ctx=16)
 
 
+def test_divergence_kl_and_top1():
+    """KL(P || Q) and top-1 agreement on hand-made distributions (P = Q gives 0 and full
+    agreement; a known pair gives its closed-form KL)."""
+    from edgeinfer.perplexity import divergence
+
+    p = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    assert divergence(p, p)[0] == pytest.approx(0.0, abs=1e-12) and divergence(p, p)[1:] == (2, 2)
+    q = np.log(np.array([[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]]))
+    kl, same, n = divergence(p.astype(np.float16), q)
+    assert kl == pytest.approx(0.7 * np.log(0.7 / 0.2) + 0.2 * np.log(0.2 / 0.7), rel=2e-3)
+    assert (same, n) == (1, 2)
+    seen = []
+    perplexity(_FakeModel(16), np.arange(100) % 7 + 3, n_ctx=16, n_chunks=2,
+               on_logprobs=lambda i, lp: seen.append((i, lp.shape, np.exp(lp).sum(1))))
+    assert [(i, sh) for i, sh, _ in seen] == [(0, (7, 16)), (1, (7, 16))]
+    assert np.allclose(seen[0][2], 1.0)
+
+
 def test_perplexity_stories_real_text(stories):
     src, tok, _ = stories
     m = Transformer(src.config, src.tensors, ReferenceBackend(), max_positions=128)
