@@ -42,6 +42,7 @@ from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
+from .mse import quantize_mse
 from .rtn import effective_group, quantize_rtn
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,21 @@ def calibration_ids(source: ModelSource, calib_path: str | None = None, n_seq: i
     return _self_generated(source, n_seq, seq_len, rng, bos, progress), (
         f"data-free: {n_seq} sequences x {seq_len} tokens sampled by the model itself from BOS "
         f"(temperature 1, seed {seed})")
+
+
+def random_ids(source: ModelSource, n_seq: int = 2, seq_len: int = 256,
+               seed: int = 0) -> tuple[np.ndarray, str]:
+    """Data-free input statistics: ``n_seq`` windows of ``seq_len`` uniformly random token
+    ids (seeded; BOS first where the model adds one) and their provenance line. One
+    prefill per window (no generation), for per-channel activation scales only.
+    """
+    cfg = source.config
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (n_seq, seq_len)).astype(np.int32)
+    bos = _bos_id(source)
+    if source.add_bos_token and bos is not None:
+        ids[:, 0] = bos
+    return ids, (f"data-free: {n_seq} x {seq_len} uniformly random token ids (seed {seed}) "
+                 f"for per-channel input scales")
 
 
 def _self_generated(source: ModelSource, n_seq: int, seq_len: int, rng: np.random.Generator,
@@ -233,7 +249,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Args:
         source: the float model (lazy tensors welcome).
         ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for "rtn").
-        method: "rtn", "awq" or "gptq".
+        method: "rtn", "awq", "gptq" or "mse" (:mod:`.mse`, the columns weighted by the
+            mean squared input over ``ids``).
         bits, group_size, symmetric: the linear weights' format.
         act_order: GPTQ column order (see :mod:`.gptq`).
         n_search: AWQ token sample size for the scale/clip searches.
@@ -246,8 +263,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Raises:
         ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
     """
-    if method not in ("rtn", "awq", "gptq"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
+    if method not in ("rtn", "awq", "gptq", "mse"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
     cfg = source.config
     out: dict[str, Any] = {}
     info: dict = {"awq_alpha": {}}
@@ -281,6 +298,13 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                 def stats(j, cap, hs=hs):
                     for k, h in hs.items():
                         h.add(cap[k])
+            elif method == "mse":
+                sq = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
+
+                def stats(j, cap, sq=sq):
+                    for k in CAPTURE_GROUPS:
+                        a = np.asarray(cap[k], np.float32).reshape(-1, sq[k].shape[0])
+                        sq[k] += np.einsum("ij,ij->j", a, a, dtype=np.float64)
             else:
                 sums = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
                 samples: dict[str, list] = {k: [] for k in CAPTURE_GROUPS}
@@ -302,6 +326,13 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                     for m, part in zip(members, split_rows(qt, [lw[m].shape[0] for m in members])):
                         q[m] = part
                 del hs
+            elif method == "mse":  # each linear on its own, columns weighted by mean x²
+                q = dict(lw)
+                for cap_key, members in CAPTURE_GROUPS.items():
+                    for m in members:
+                        q[m] = quantize_mse(lw[m], effective_group(lw[m].shape[1], group_size),
+                                            symmetric, importance=sq[cap_key] / n_tok,
+                                            name=names[m])
             else:
                 inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in CAPTURE_GROUPS}
                 q, alphas = awq_quantize_layer(cfg, lw, inputs, bits=bits, group_size=group_size,

@@ -62,7 +62,7 @@ def stories():
     return src, tok, [1] + tok.encode("Once upon a time", add_special_tokens=False).ids
 
 
-@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq", "mse"])
 def test_stories_converted_tells_the_story(method, stories, tmp_path):
     src, tok, prompt = stories
     calib = tmp_path / "calib.txt"
@@ -82,6 +82,22 @@ def test_stories_converted_tells_the_story(method, stories, tmp_path):
     d = describe_eif(out)
     assert d["provenance"]["method"] == method and d["provenance"]["source"] == STORIES
     assert 4.5 < d["bits_per_weight_by_kind"]["attention"] < 5.0  # 4 + 16/32 + 4/32
+
+
+def test_stories_mse_data_free_uses_random_ids(stories, tmp_path):
+    """--method mse without a calibration file: input scales from seeded random token ids
+    (recorded), deterministic, and the story survives."""
+    src, tok, prompt = stories
+    for k in range(2):
+        rep = convert(src, str(tmp_path / f"m{k}.eif"), method="mse", group_size=32,
+                      progress=False)
+        assert "random token ids" in rep["calibration"]
+    q, q1 = read_eif(tmp_path / "m0.eif"), read_eif(tmp_path / "m1.eif")
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert q.tensors[name].method == "mse"
+    assert np.array_equal(q.tensors[name].qweight, q1.tensors[name].qweight)
+    assert np.array_equal(q.tensors[name].scales, q1.tensors[name].scales)
+    assert tok.decode(greedy(q, prompt, 12)).startswith(", there was a little girl")
 
 
 def test_stories_data_free_awq_records_its_text(stories, tmp_path):
