@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the .eif file to write (an existing one only with --force; never the input)")
     s.add_argument("--force", "-f", action="store_true",
                    help="replace an existing --output file")
-    s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
+    s.add_argument("--method", choices=["rtn", "awq", "gptq", "mse"], default="awq")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=128,
                    help="-1 = per-channel; a row it does not divide takes the largest multiple "

@@ -187,7 +187,8 @@ class Backend(ABC):
                                          blk.w_up, blk.w_down, blk.act)
 
     def composed_block(self, x: Any, blk: PreNormBlock, positions: np.ndarray, cache: Any,
-                       layer: int, capture: dict[str, Any] | None = None) -> Any:
+                       layer: int, capture: dict[str, Any] | None = None,
+                       capture_only: bool = False) -> Any:
         """:meth:`decoder_block` one op at a time, any block (the optional norms where set,
         in the order of HF ``modeling_gemma3.py``); not meant to be overridden: the
         reference composition that fused paths are tested against.
@@ -196,6 +197,8 @@ class Backend(ABC):
             capture: if given, filled with the *input* of each linear group ("q_proj"
                 (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
                 "down_proj"), for the AWQ/GPTQ calibration in ``edgeinfer.quant``.
+            capture_only: with ``capture``, stop once the last input is captured (the
+                down projection is not run) and return None.
         """
         t = positions.shape[0]
         hq, hkv, hd = blk.heads
@@ -229,6 +232,8 @@ class Backend(ABC):
         m = self.glu(gate, up, blk.act)
         if capture is not None:
             capture["down_proj"] = m
+            if capture_only:
+                return None
         d = self.linear(m, blk.w_down)
         if blk.mlp_out_norm is not None:
             d = self.rmsnorm(d, blk.mlp_out_norm, eps, off)

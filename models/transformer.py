@@ -34,7 +34,7 @@ def upload_layer(backend: Backend, tensors: Mapping[str, Any], i: int) -> dict[s
 
 def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, positions: np.ndarray,
                   rope: tuple[Any, Any], cache: Any, cache_layer: int, layer: int,
-                  capture: dict[str, Any] | None = None) -> Any:
+                  capture: dict[str, Any] | None = None, capture_only: bool = False) -> Any:
     """One decoder block: x[T, D] -> x[T, D], appending this layer's K/V to the cache.
 
     Args:
@@ -51,11 +51,13 @@ def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, pos
         capture: if given, filled with the *input* of each linear group
             ("q_proj" (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
             "down_proj"); used by the AWQ/GPTQ calibration in ``edgeinfer.quant``.
+        capture_only: with ``capture``, skip the down projection and return None (the
+            calibration pass needs only the captured inputs).
     """
     blk = prenorm_block(cfg, lw, rope, layer)
     if capture is None:  # one backend op (fused where the backend can)
         return be.decoder_block(x, blk, positions, cache, cache_layer)
-    return be.composed_block(x, blk, positions, cache, cache_layer, capture)
+    return be.composed_block(x, blk, positions, cache, cache_layer, capture, capture_only)
 
 
 def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
