@@ -279,6 +279,12 @@ class HostKVCache:
         """The storage arrays of ``layer`` by name (see the layout table); views, not copies."""
         return self._layer[layer]
 
+    @property
+    def rotation(self) -> np.ndarray | None:
+        """H_G (float32 [G, G], :func:`hadamard`) that K groups are multiplied by before
+        quantization (and a fast kernel's query), or None for f32 / f16."""
+        return self._h if self.rotate_k else None
+
     def positions(self, layer: int) -> np.ndarray | None:
         """int64 [S] position held by each slot of a ring layer (-1 empty); None if linear."""
         return self._pos[layer]

@@ -12,6 +12,22 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+#: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
+PAR_MIN_ELEMS = 32768
+
+
+def is_gelu(act: str) -> bool:
+    """True for GELU-tanh, False for SiLU gating.
+
+    Raises:
+        ValueError: any other activation name.
+    """
+    if act == "silu":
+        return False
+    if act == "gelu_tanh":
+        return True
+    raise ValueError(f"unsupported activation {act!r}")
+
 
 # ---- RMSNorm -------------------------------------------------------------------------
 @njit(cache=True, fastmath=True, inline="always")
