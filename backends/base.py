@@ -212,8 +212,14 @@ class Backend(ABC):
     def add(self, a: Any, b: Any) -> Any:
         """Elementwise a + b (residual)."""
 
-    def logits(self, x: Any, head: Any, softcap: float | None = None) -> np.ndarray:
-        """Final projection x[T, D] @ head[V, D].T -> float32 numpy [T, V] on the host."""
+    def logits(self, x: Any, head: Any, softcap: float | None = None,
+               norm: tuple | None = None) -> np.ndarray:
+        """Final projection x[T, D] @ head[V, D].T -> float32 numpy [T, V] on the host,
+        ``tanh(y / softcap) * softcap`` if ``softcap``; with ``norm`` = (w [D], eps,
+        unit_offset) x is first RMS-normalized (the model's final norm, which a backend
+        may fuse into the projection)."""
+        if norm is not None:
+            x = self.rmsnorm(x, *norm)
         y = self.linear(x, head)
         out = self.to_host(y).astype(np.float32, copy=False)
         if softcap:

@@ -230,8 +230,8 @@ class Transformer:
         cache.length = start + t
         if not all_logits:  # only the last position's logits
             x = be.select_rows(x, slice(t - 1, t))
-        x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        y = be.logits(x, self.lm_head, cfg.final_logit_softcapping)
+        y = be.logits(x, self.lm_head, cfg.final_logit_softcapping,
+                      norm=(self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset))
         if out is None or all_logits:
             return y
         out[...] = y

@@ -229,7 +229,7 @@ class CpuBackend(Backend):
         fn(y, x2, w, float(eps), bool(unit_offset))
         return y.reshape(x.shape)
 
-    def logits(self, x, head, softcap=None):
+    def logits(self, x, head, softcap=None, norm=None):
         """Final projection x[T, D] @ head[V, D].T -> float32 [T, V] (the contract's).
 
         Then gives memory back (:class:`..osmemory.ForwardReleaser`): after a
@@ -237,7 +237,7 @@ class CpuBackend(Backend):
         file-viewed embedding mapped (:meth:`upload_embedding`; a lookup maps whole page
         cache folios); after the first forwards also the pages of the JIT compiler, idle
         once the kernels are loaded."""
-        y = super().logits(x, head, softcap)
+        y = super().logits(x, head, softcap, norm)
         rel = self.releaser
         if rel.due:  # file-viewed tables not streamed as the head
             rel.after_forward(tuple(t.wp for t in self._file_tables if t is not head))
