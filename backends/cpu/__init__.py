@@ -57,14 +57,20 @@ from .elementwise import (
 )
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
-from .kvquant import attention_q, attention_q_serial, decode_scratch_q_shape, kv_write_q
+from .kvquant import (
+    attention_q,
+    attention_q_serial,
+    decode_scratch_q_shape,
+    kv_write_q,
+    layer_arrays,
+)
 from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_view
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "kernel_paths", "physical_cores", "threading_info"]
 
 #: Token counts up to this use the integer GEMV once per token; above, dequant + BLAS.
 GEMV_MAX_T = 2
-_NO_POS = np.zeros(0, np.int64)
+_NO_POS = np.zeros(0, np.int64)  # f32 / f16 attention: positions = slots
 _NO_SCR = np.zeros((0, 0), np.float32)  # attention scratch: none (items allocate their own)
 
 
@@ -170,10 +176,9 @@ class CpuBackend(Backend):
         """The embedding table (also the tied output head): as :meth:`upload_weight`,
         except an 8-bit table read from an ``.eif`` (a read-only file mapping), whose codes
         already have the kernels' layout: its codes are then a copy-on-write view of the
-        file (:func:`..osmemory.private_file_view`), not a copy. A lookup makes only
-        its rows resident; an untied table (Qwen2.5-0.5B: 130 MiB) never becomes resident
-        as a whole, a tied one streamed by the head GEMV is resident as file pages (as
-        much as the copy was). Same values, same kernels."""
+        file (:func:`..osmemory.private_file_view`), not a copy: a lookup makes only its
+        rows resident, so an untied table never becomes resident as a whole. Same values,
+        same kernels."""
         if isinstance(w, QuantizedTensor) and w.bits == 8:
             codes = private_file_view(w.qweight)
             out = None if codes is None else repack_q8_view(w, codes)
@@ -201,11 +206,7 @@ class CpuBackend(Backend):
         ids = np.asarray(ids).reshape(-1)
         self.releaser.note_tokens(ids.shape[0])
         if isinstance(table, CpuQuantWeight):
-            if ids.shape[0] == 1:  # decode: one id, no reductions
-                bad = not 0 <= int(ids[0]) < table.out_features
-            else:
-                bad = ids.size and (ids.min() < 0 or ids.max() >= table.out_features)
-            if bad:
+            if ids.size and (ids.min() < 0 or ids.max() >= table.out_features):
                 raise IndexError(f"token id out of range 0..{table.out_features - 1}")
             out = np.empty((ids.shape[0], table.in_features), np.float32)
             fn = dequant_rows_q4 if table.bits == 4 else dequant_rows_q8
@@ -217,11 +218,6 @@ class CpuBackend(Backend):
 
     def rmsnorm(self, x, w, eps, unit_offset=False):
         """y[..., N] = x / sqrt(mean(x**2) + eps) * (w | 1 + w) over the last axis, float32."""
-        if (x.__class__ is np.ndarray and x.ndim == 2 and x.shape[0] == 1
-                and x.dtype == np.float32 and x.flags.c_contiguous):  # decode: least Python
-            y = np.empty_like(x)
-            rmsnorm_rows(y, x, w, eps, unit_offset)
-            return y
         n = x.shape[-1]
         x2 = np.ascontiguousarray(x).reshape(-1, n)
         y = np.empty_like(x2)
@@ -336,10 +332,6 @@ class CpuBackend(Backend):
 
     def rope(self, x, cos, sin, positions):
         """Rotate x[T, H, hd] (NeoX pairing) by tables cos/sin [P, r/2] at positions [T]."""
-        if x.shape[0] == 1 and x.flags.c_contiguous and positions.dtype.kind == "i":
-            y = np.empty_like(x)  # decode: least Python
-            rope_tokens(y, x, cos, sin, positions)
-            return y
         x = np.ascontiguousarray(x)
         y = np.empty_like(x)
         pos = positions if positions.dtype.kind == "i" else np.asarray(positions, np.int64)
@@ -366,10 +358,9 @@ class CpuBackend(Backend):
         v = np.ascontiguousarray(v, dtype=np.float32)
         out = np.empty((t, hq, hd), np.float32)
         win, cap = int(window or 0), float(softcap or 0.0)
-        raw = cache.raw(layer) if hasattr(cache, "raw") else {"k": cache.k[layer],
-                                                              "v": cache.v[layer]}
-        ring = hasattr(cache, "positions") and cache.positions(layer) is not None
-        if "k_q" in raw and getattr(cache, "rotate_k", False):
+        raw = cache.raw(layer)
+        ring = cache.positions(layer) is not None
+        if "k_q" in raw and cache.rotate_k:
             return self._attention_q(out, q, k, v, cache, layer, int(start_pos), float(scale),
                                      win, cap, ring)
         kc = raw.get("k")
@@ -394,19 +385,8 @@ class CpuBackend(Backend):
     def _attention_q(self, out, q, k, v, cache, layer, start, scale, win, cap, ring):
         """Quantized cache (int8 / int4 / k8v4, linear or ring): encode in place, attend
         over the codes (:mod:`.kvquant`); nothing is dequantized to a float copy."""
-        raw = cache.raw(layer)
-
-        def bits(name):
-            arr = raw.get(name)
-            return None if arr is None else arr.view(np.uint16)
-
-        pos = cache.positions(layer) if ring else _NO_POS
-        shp = (cache.n_kv_heads, cache.head_dim)  # int4's K channel m, c (8-bit K: 0, 1)
-        kq, ks, kmin, vq, vs, vmin = (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"],
-                                      bits("v_scale"), bits("v_min"))
-        hmat, g = cache.rotation, cache.group_size
-        koff = raw.get("k_off", np.zeros(shp, np.float32))
-        kcs = raw.get("k_cs", np.ones(shp, np.float32))
+        kq, ks, kmin, vq, vs, vmin, pos, hmat, koff, kcs = layer_arrays(cache, layer)
+        g = cache.group_size
         t = k.shape[0]
         if ring and t > cache.slots[layer] - (cache.window_sizes[layer] - 1):
             raise ValueError(

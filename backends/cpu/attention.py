@@ -19,14 +19,8 @@ nothing in the kernel; prefill items allocate their own (O(S) each, amortized ov
 
 :func:`attention_serial` is the same work items on the calling thread: the backend uses
 it for decode over short contexts, where the fork/join of a parallel region costs more
-than it saves on a shared 2-core host (measured: SmolLM2 decode at 256 keys 157 us per
-layer parallel vs 25 us serial at load ~3).
-
-Measured (one core, SmolLM2 shapes: Hq 9, Hkv 3, hd 64): decode at 320 keys ~70 us per
-layer before the vectorized exp (QK 27, exp 17, PV 25), ~55 us after; a 256-token
-prefill ~5 ms per layer. A BLAS variant (per KV head S = Q K^T, P V in 128-query
-blocks) was no faster at these sizes (numpy mask / exp passes) and made the OpenBLAS
-and Numba thread pools compete, so it was dropped.
+than it saves on a shared 2-core host. (Timings, and why no BLAS variant:
+benchmarks/MEASUREMENTS.md.)
 """
 from __future__ import annotations
 

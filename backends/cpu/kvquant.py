@@ -252,6 +252,25 @@ def _item_scratch_q(scr, item, gn, n, hd, ng):
     return s, qs, acc, qsum, qm, row_f
 
 
+def layer_arrays(cache, layer: int) -> tuple:
+    """(kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs) of a quantized host cache's
+    layer as :func:`kv_write_q` / :func:`attention_q` take them: float16 scales as their
+    uint16 bits (None where the format has none), ``kpos`` a ring's position table or
+    int64 [0], ``hmat`` the cache's rotation, int4's K channel offset and scale (else 0
+    and 1)."""
+    raw = cache.raw(layer)
+
+    def bits(name):
+        arr = raw.get(name)
+        return None if arr is None else arr.view(np.uint16)
+    pos = cache.positions(layer)
+    shp = (cache.n_kv_heads, cache.head_dim)
+    return (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
+            bits("v_min"), np.zeros(0, np.int64) if pos is None else pos, cache.rotation,
+            raw.get("k_off", np.zeros(shp, np.float32)),
+            raw.get("k_cs", np.ones(shp, np.float32)))
+
+
 def decode_scratch_q_shape(cache, hq: int, hd: int) -> tuple[int, int]:
     """Shape of the quantized-cache decode scratch for ``cache``: float32
     ``[2 * Hkv, grp * (S + 2 hd + hd / G + 1) + hd]`` (``grp = Hq / Hkv``, ``S`` the most

@@ -35,7 +35,13 @@ from .attention import attention_serial as _attention_serial
 from .elementwise import dequant_rows_q4, dequant_rows_q8, is_gelu, rmsnorm_rows
 from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
 from .gemv import SERIAL_MAX_BYTES, gemv_quant
-from .kvquant import attention_q, attention_q_serial, decode_scratch_q_shape, kv_write_q
+from .kvquant import (
+    attention_q,
+    attention_q_serial,
+    decode_scratch_q_shape,
+    kv_write_q,
+    layer_arrays,
+)
 from .repack import CpuQuantWeight
 
 _NO_POS = np.zeros(0, np.int64)
@@ -102,8 +108,15 @@ def block_f(x, pos, par_attn, qkv, att, mlp):
         x: float32 [1, D] residual stream (may be ``mlp``'s output buffer: in place).
         pos: the token's position (its cache row).
         par_attn: run the attention items across threads (long contexts).
-        qkv: :attr:`FusedQKV.args`; att: :attr:`KernelAttention.args` (f32 / f16);
-            mlp: :attr:`FusedMLP.args`.
+        qkv: (y [(Hq + 2 Hkv) hd] output, input-norm w [D], eps, unit_offset, h [D]
+            scratch, (wp, sc, sz, bmap) of the fused 4-bit q/k/v weight, bias [rows] or
+            [0], (xq, dx, xg) activation scratch, cos, sin, Hq, Hkv, hd, parallel) as
+            :func:`.fused.qkv_rope_par` takes them.
+        att: (kc, vc [S, Hkv, hd] float32 or uint16, item scratch, kpos int64 [0],
+            scale, window (0 = none), softcap (0 = none)).
+        mlp: (xo [1, D] output, a [1, Hq hd] attention output, pre-MLP norm w, eps,
+            unit_offset, gelu, wo, wgu, wd (wp, sc, sz, bmap), act_a, act_h, act_m,
+            (o, h, gu, m) scratch, bias0 [0], parallel) as :func:`.fused.out_mlp_par`.
     """
     q, k, v = _qkv(x, pos, qkv)
     attend_f(q, k, v, pos, par_attn, att, mlp[1])
@@ -119,76 +132,46 @@ def block_q_post(x, pos, par_attn, qkr, att, mlp):
         x, pos, par_attn, mlp: as :func:`block_f`.
         qkr: (q [1, Hq, hd], rotated K (int4: also shifted/scaled) [1, Hkv, hd], v
             [1, Hkv, hd]) float32.
-        att: :attr:`KernelAttention.args` (quantized).
+        att: (:func:`.kvquant.layer_arrays`' ten arrays, group size, item scratch,
+            scale, window, softcap) as :func:`.kvquant.kv_write_q` /
+            :func:`.kvquant.attention_q` take them.
     """
     q, kr, v = qkr
     attend_q(q, kr, v, pos, par_attn, att, mlp[1])
     _mlp(x, mlp)
 
 
-# ---- the plan's parts ---------------------------------------------------------------------
-class FusedQKV(NamedTuple):
-    """The fused first half: ``y = RoPE_qk(Wqkv @ rmsnorm(x) + b)`` (:func:`.fused.qkv_rope_par`
-    / ``_ser`` as ``fn``) into the shared q/k/v scratch, whose views are ``q``, ``k``, ``v``."""
+# ---- the plan's parts (kernel argument tuples as :func:`block_f` documents them) --------
+class Fused(NamedTuple):
+    """A fused half: :func:`.fused.qkv_rope_par` / ``_ser`` (``args`` as :func:`block_f`'s
+    ``qkv``; ``out`` the q, k, v views of its output) or :func:`.fused.out_mlp_par` /
+    ``_ser`` (``args`` as ``mlp``; ``out`` the [1, D] block output)."""
 
     fn: Any
-    y: np.ndarray  # [(Hq + 2 Hkv) hd]
-    norm: np.ndarray  # [D]
-    eps: float
-    unit_offset: bool
-    h: np.ndarray  # [D] scratch: the norm's output
-    w: tuple  # (wp, sc, sz, bmap) of the group's fused 4-bit weight
-    bias: np.ndarray  # [rows] or [0]
-    act: tuple  # (xq, dx, xg) activation-quantization scratch
-    cos: np.ndarray
-    sin: np.ndarray
-    heads: tuple  # (Hq, Hkv, hd)
-    q: np.ndarray  # [1, Hq, hd] views of y
-    k: np.ndarray  # [1, Hkv, hd]
-    v: np.ndarray  # [1, Hkv, hd]
-    args: tuple  # the same as :func:`block_f`'s ``qkv`` tuple (+ the parallel flag)
-
-
-class FusedMLP(NamedTuple):
-    """The fused second half: ``xo = x1 + Wd @ glu(Wgu @ rmsnorm(x1))``, ``x1 = x + Wo @ a``
-    (:func:`.fused.out_mlp_par` / ``_ser`` as ``fn``)."""
-
-    fn: Any
-    xo: np.ndarray  # [1, D] the block's output (shared scratch)
-    a: np.ndarray  # [1, Hq hd] the attention output (shared scratch)
-    norm: np.ndarray  # [D] the norm before the MLP
-    eps: float
-    unit_offset: bool
-    gelu: bool
-    wo: tuple  # (wp, sc, sz, bmap) of Wo, the fused gate|up, Wd
-    wgu: tuple
-    wd: tuple
-    act_a: tuple  # activation scratch for the inputs of Wo, Wgu, Wd
-    act_h: tuple
-    act_m: tuple
-    nob: tuple  # (o [D], h [D], gu [2F], m [F]) scratch
-    args: tuple  # :func:`block_f`'s ``mlp`` tuple
+    args: tuple
+    out: Any
 
 
 class KRotation(NamedTuple):
-    """What ``cache.write`` does to this step's K before quantizing, into scratch:
-    int4's ``(k - m) / c`` (``k_off`` m, ``k_cs`` c), then the Hadamard product of each
-    group of G channels (``hmat`` [G, G])."""
+    """What ``cache.write`` does to this step's K ``k`` (a view of the q/k/v scratch)
+    before quantizing, into ``kr``: int4's ``(k - m) / c`` (into ``kin``), then the
+    Hadamard product of each group of G channels (``src_groups @ hmat`` into
+    ``kr_groups``, both viewed [1, Hkv, hd / G, G])."""
 
-    kr: np.ndarray  # [1, Hkv, hd] output
-    kr_groups: np.ndarray  # kr viewed [1, Hkv, hd / G, G]
+    kr: np.ndarray
+    kr_groups: np.ndarray
     hmat: np.ndarray
     int4: bool
-    kin: Any  # [1, Hkv, hd] int4's shifted K, or None
-    src_groups: np.ndarray  # what the product reads, viewed in groups
+    kin: Any
+    src_groups: np.ndarray
     k_off: Any
     k_cs: Any
-    k: np.ndarray  # the step's K: a view of the q/k/v scratch
+    k: np.ndarray
 
 
 class KernelAttention(NamedTuple):
-    """K/V append and attention of one (cache, layer) in a kernel: :func:`attend_f`'s
-    ``att`` (f32 / f16) or :func:`attend_q`'s (quantized) as ``args``."""
+    """K/V append and attention of one (cache, layer) in a kernel: ``args`` as
+    :func:`attend_f`'s (f32 / f16) or :func:`attend_q`'s (quantized) ``att``."""
 
     quantized: bool
     args: tuple
@@ -203,8 +186,8 @@ class LayerPlan(NamedTuple):
     backend's attention op)."""
 
     blk: Any  # the DecoderBlock
-    qkv: FusedQKV | None
-    mlp: FusedMLP | None
+    qkv: Fused | None
+    mlp: Fused | None
     steps: stepwise.StepwiseBlock | None
     attn: KernelAttention | None
     max_tokens: int  # the cache's positions
@@ -246,26 +229,24 @@ def _fused_weight(group, bits=4):
     return w if w is not None and w.bits == bits else None
 
 
-def _fused_qkv(be, blk, y2) -> FusedQKV | None:
+def _fused_qkv(be, blk, y2) -> Fused | None:
     hq, hkv, hd = blk.heads
     w = _fused_weight(blk.qkv)
     if w is None or w.out_features != (hq + 2 * hkv) * hd:
         return None
     y = y2[0]
     fn = qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else qkv_rope_par
-    h = be.scratch("h", (w.in_features,))
     bias = _NO_BIAS if blk.qkv.bias is None else blk.qkv.bias
-    act = be.act_scratch.get(w.n_blocks, w.n_groups)
-    eps, off = float(blk.eps), bool(blk.unit_offset)
-    return FusedQKV(fn, y, blk.input_norm, eps, off, h, _arrays(w), bias, act, blk.cos,
-                    blk.sin, (hq, hkv, hd), y[:hq * hd].reshape(1, hq, hd),
-                    y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd),
-                    y[(hq + hkv) * hd:].reshape(1, hkv, hd),
-                    (y, blk.input_norm, eps, off, h, _arrays(w), bias, act, blk.cos, blk.sin,
-                     hq, hkv, hd, fn is qkv_rope_par))
+    args = (y, blk.input_norm, float(blk.eps), bool(blk.unit_offset),
+            be.scratch("h", (w.in_features,)), _arrays(w), bias,
+            be.act_scratch.get(w.n_blocks, w.n_groups), blk.cos, blk.sin, hq, hkv, hd,
+            fn is qkv_rope_par)
+    return Fused(fn, args, (y[:hq * hd].reshape(1, hq, hd),
+                            y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd),
+                            y[(hq + hkv) * hd:].reshape(1, hkv, hd)))
 
 
-def _fused_mlp(be, blk) -> FusedMLP | None:
+def _fused_mlp(be, blk) -> Fused | None:
     hq, _, hd = blk.heads
     wgu, wo, wd = _fused_weight(blk.gate_up), blk.wo, blk.w_down
     ff = blk.gate_up.weights[0].out_features if wgu is not None else 0
@@ -276,16 +257,15 @@ def _fused_mlp(be, blk) -> FusedMLP | None:
             and wo.in_features == hq * hd):
         return None
     d = wo.out_features
-    act_a, act_h, act_m = (be.act_scratch.get(w.n_blocks, w.n_groups) for w in (wo, wgu, wd))
     nob = (be.scratch("o", (d,)), be.scratch("h", (d,)), be.scratch("gu", (2 * ff,)),
            be.scratch("m", (ff,)))
     fn = out_mlp_ser if wgu.nbytes <= SERIAL_MAX_BYTES else out_mlp_par
-    xo, a = be.scratch("xo", (1, d)), be.scratch("attn", (1, hq * hd))
-    eps, off, gelu = float(blk.eps), bool(blk.unit_offset), is_gelu(blk.act)
-    return FusedMLP(fn, xo, a, blk.mlp_norm, eps, off, gelu, _arrays(wo), _arrays(wgu),
-                    _arrays(wd), act_a, act_h, act_m, nob,
-                    (xo, a, blk.mlp_norm, eps, off, gelu, _arrays(wo), _arrays(wgu),
-                     _arrays(wd), act_a, act_h, act_m, nob, _NO_BIAS, fn is out_mlp_par))
+    xo = be.scratch("xo", (1, d))
+    args = (xo, be.scratch("attn", (1, hq * hd)), blk.mlp_norm, float(blk.eps),
+            bool(blk.unit_offset), is_gelu(blk.act), _arrays(wo), _arrays(wgu), _arrays(wd),
+            *(be.act_scratch.get(w.n_blocks, w.n_groups) for w in (wo, wgu, wd)), nob,
+            _NO_BIAS, fn is out_mlp_par)
+    return Fused(fn, args, xo)
 
 
 def _kernel_attention(be, blk, cache: HostKVCache, layer: int,
@@ -301,18 +281,11 @@ def _kernel_attention(be, blk, cache: HostKVCache, layer: int,
         int4 = type(cache) is Int4KVCache
         if not int4 and type(cache).k_input is not HostKVCache.k_input:
             return None
-
-        def bits(name):
-            arr = raw.get(name)
-            return None if arr is None else arr.view(np.uint16)
-        shp = (hkv, hd)  # int4's K channel m, c (8-bit K: 0, 1)
-        g, hmat = cache.group_size, cache.rotation
-        koff = raw.get("k_off", np.zeros(shp, np.float32))
-        kcs = raw.get("k_cs", np.ones(shp, np.float32))
-        scr = be.scratch("attn_items_q", decode_scratch_q_shape(cache, hq, hd))
-        args = (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
-                bits("v_min"), cache.positions(layer) if ring else _NO_POS, hmat, koff, kcs,
-                g, scr, scale, win, cap)
+        kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs = layer_arrays(cache, layer)
+        g = cache.group_size
+        args = (kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs, g,
+                be.scratch("attn_items_q", decode_scratch_q_shape(cache, hq, hd)), scale, win,
+                cap)
         kr = be.scratch("kr", (1, hkv, hd))
         kin = be.scratch("kin", (1, hkv, hd)) if int4 else None
         src = kin if int4 else k  # what the rotation reads: int4 (k - m) / c, else k
@@ -418,14 +391,12 @@ def _rotate_k(r: KRotation) -> np.ndarray:
     return r.kr
 
 
-def _first_half(lp: LayerPlan, x, positions, start):
-    f = lp.qkv
-    if f is None:
-        return stepwise.qkv(x, positions, lp.steps)
-    hq, hkv, hd = f.heads
-    f.fn(f.y, x, f.norm, f.eps, f.unit_offset, f.h, f.w, f.bias, f.act, f.cos, f.sin, start,
-         hq, hkv, hd)
-    return f.q, f.k, f.v
+def _qkv_call(f: Fused, x, start: int):
+    """The fused first half called from Python (the quantized-cache and attention-op
+    paths); returns its q, k, v views."""
+    y, nw, eps, off, h, w, bias, act, cos, sin, nq, nk, hd, _ = f.args
+    f.fn(y, x, nw, eps, off, h, w, bias, act, cos, sin, start, nq, nk, hd)
+    return f.out
 
 
 def run_layer(be, lp: LayerPlan, x, positions, start: int, cache, layer: int) -> np.ndarray:
@@ -437,38 +408,33 @@ def run_layer(be, lp: LayerPlan, x, positions, start: int, cache, layer: int) ->
     """
     if start >= lp.max_tokens or start < 0:
         cache.check_room(start, 1)  # raises
-    at = lp.attn
+    at, f, m, p = lp.attn, lp.qkv, lp.mlp, lp.steps
     if at is not None and not (at.int4 and start == 0):
         par = start >= at.serial_keys
-        f, m = lp.qkv, lp.mlp
-        if f is not None and m is not None:  # the fused halves
+        if p is None:  # the fused halves
             if not at.quantized:
                 block_f(x, start, par, f.args, at.args, m.args)
-                return m.xo
-            hq, hkv, hd = f.heads
-            f.fn(f.y, x, f.norm, f.eps, f.unit_offset, f.h, f.w, f.bias, f.act, f.cos, f.sin,
-                 start, hq, hkv, hd)
-            block_q_post(x, start, par, (f.q, _rotate_k(at.rot), f.v), at.args, m.args)
-            return m.xo
-        p = lp.steps
+            else:
+                q, _, v = _qkv_call(f, x, start)
+                block_q_post(x, start, par, (q, _rotate_k(at.rot), v), at.args, m.args)
+            return m.out
         q, k, v = stepwise.qkv(x, positions, p)
         if at.quantized:
             attend_q(q, _rotate_k(at.rot), v, start, par, at.args, p.a)
         else:
             attend_f(q, k, v, start, par, at.args, p.a)
         return stepwise.mlp(x, p)
-    # the backend's attention op between the halves
+    # the backend's attention op between the halves (each fused where it can be)
     blk = lp.blk
-    q, k, v = _first_half(lp, x, positions, start)
+    q, k, v = stepwise.qkv(x, positions, p) if f is None else _qkv_call(f, x, start)
     a = be.attention(q, k, v, cache, layer, start, blk.scale, blk.window, blk.softcap)
     a = a.reshape(1, a.shape[1] * a.shape[2])
-    m = lp.mlp
     if m is None:
-        np.copyto(lp.steps.a, a)
-        return stepwise.mlp(x, lp.steps)
-    m.fn(m.xo, x, a, m.norm, m.eps, m.unit_offset, m.gelu, m.wo, m.wgu, m.wd, m.act_a,
-         m.act_h, m.act_m, m.nob, _NO_BIAS)
-    return m.xo
+        np.copyto(p.a, a)
+        return stepwise.mlp(x, p)
+    xo, _, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0, _ = m.args
+    m.fn(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0)
+    return xo
 
 
 def _logits(s: LogitsStage, x, out) -> np.ndarray:

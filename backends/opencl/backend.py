@@ -350,7 +350,8 @@ class OpenCLBackend(Backend):
 
         Query t (position p = start_pos + t), head h attends keys max(0, p - window + 1)
         .. p of KV head h // (Hq / Hkv); scores q.k * scale (tanh soft-capped if
-        ``softcap``), softmax in float32 with the running max subtracted (case C23). The
+        ``softcap``), softmax in float32 with the running max subtracted
+        (https://github.com/huggingface/transformers/pull/17306). The
         cache may be f32 / f16 (attention.cl) or int8 / int4 / k8v4 (attention_q.cl); positions
         live in slot ``p % S`` of the layer's ring (:mod:`.kvcache`).
 
