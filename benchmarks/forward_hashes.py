@@ -12,7 +12,8 @@ Models: stories260K (HF float32, and RTN INT4 linears with an 8-bit head), SmolL
 and Gemma-3-270M (catalog GGUF, dequantized to float32, and their INT4 ``.eif`` made with
 the catalog's RTN options into ``--cache``), tiny random Gemma-3 (tests/tiny_models.py;
 also with 8-token chunks: ring layers), Qwen2 (QKV bias) and Mistral (sliding window,
-ring layers; also with dense MLP weights beside 4-bit attention) models.
+ring layers; also with dense MLP weights beside 4-bit attention) models, tiny Phi-3
+(fused q/k/v and gate/up split at load; LongRoPE with its switch at 16 positions).
 
     python benchmarks/forward_hashes.py [--backends cpu,reference,opencl] [--models ...]
         [--kv f32,f16,int8,int4,k8v4] > hashes.txt
@@ -140,6 +141,15 @@ def models(cache: Path):
             return cfg, t
         return load
 
+    def phi3(variant):
+        def load():
+            from tiny_models import tiny_phi3_folder
+            d = cache / f"tiny-phi3-{variant}"
+            if not (d / "config.json").exists():
+                tiny_phi3_folder(d, variant)
+            return read(d)()
+        return load
+
     return {
         "stories-f32": (read(STORIES), 512),
         "stories-q4": (stories_q4, 512),
@@ -156,12 +166,27 @@ def models(cache: Path):
         "tiny-mistral-q4-ring": (mistral("q4"), 8),
         "tiny-mistral-mixed-ring": (mistral("mixed"), 8),
         "tiny-mistral-f32-ring": (mistral("f32"), 8),
+        "tiny-phi3": (phi3("plain"), 512),
+        "tiny-phi3-longrope": (phi3("longrope"), 8),
     }
 
 
-def run_cases(m, kv: str, max_chunk: int, vocab: int):
-    """[(case, tokens, digest)] of one model on one backend with one KV dtype."""
+def run_cases(m, kv: str, max_chunk: int, vocab: int, cases=None):
+    """[(case, tokens, digest)] of one model on one backend with one KV dtype (``cases``:
+    the names to keep, default all); a case that raises gives its exception's name."""
     rows = []
+    for name, fn in CASES.items():
+        if cases is None or name in cases:
+            try:
+                rows += fn(m, kv, max_chunk, vocab)
+            except Exception as e:  # noqa: BLE001 (the line records what was raised)
+                rows.append((name, [], f"raised:{type(e).__name__}"))
+    return rows
+
+
+def _main_cases(m, kv, max_chunk, vocab):
+    rows = []
+    kw = {} if getattr(m, "rope_switch", None) is None else {"long_rope": False}
     prompt = np.array([t % vocab for t in PROMPT], np.int32)
     cache = m.new_cache(64, kv, max_chunk)
     out = np.empty((1, m.cfg.vocab_size), np.float32)
@@ -171,29 +196,47 @@ def run_cases(m, kv: str, max_chunk: int, vocab: int):
         for _ in range(n):
             tok = int(np.argmax(logits[-1]))
             toks.append(tok)
-            logits = m.forward(np.array([tok], np.int32), cache, out=out)
+            logits = m.forward(np.array([tok], np.int32), cache, out=out, **kw)
             logs.append(logits.copy())
         return toks, logs, logits
 
-    a = m.forward(prompt[:7], cache)
-    b = m.forward(prompt[7:], cache)
+    a = m.forward(prompt[:7], cache, **kw)
+    b = m.forward(prompt[7:], cache, **kw)
     rows.append(("prefill", [int(np.argmax(b[-1]))], _digest([a, b])))
     toks, logs, last = decode(b, 6)
     rows.append(("decode", toks, _digest(logs)))
     cache.trim(len(prompt) - 2)  # prefix reuse: keep all but the last 2 prompt tokens
     keep = cache.length
-    c = m.forward(np.array([9, 31, 2], np.int32) % vocab, cache)
-    d = m.forward(np.array([44 % vocab], np.int32), cache)
+    c = m.forward(np.array([9, 31, 2], np.int32) % vocab, cache, **kw)
+    d = m.forward(np.array([44 % vocab], np.int32), cache, **kw)
     toks, logs, _ = decode(d, 3)
     rows.append((f"reuse@{keep}", toks, _digest([c, d] + logs)))
     cache.reset()
-    e = m.forward(prompt[:1], cache)  # one token at position 0
+    e = m.forward(prompt[:1], cache, **kw)  # one token at position 0
     toks, logs, _ = decode(e, 3)
     rows.append(("one-token", toks, _digest([e] + logs)))
     c2 = m.new_cache(64, kv, max_chunk)
-    f = [m.forward(prompt[:7], c2, all_logits=True), m.forward(prompt[7:], c2, all_logits=True)]
+    f = [m.forward(prompt[:7], c2, all_logits=True, **kw),
+         m.forward(prompt[7:], c2, all_logits=True, **kw)]
     rows.append(("all-logits", [int(x) for y in f for x in y.argmax(-1)], _digest(f)))
     return rows
+
+
+def _long_prompt(m, kv, max_chunk, vocab):
+    """20 prompt tokens in chunks of 8 then 3 greedy steps (past a LongRoPE switch at 16)."""
+    ids = np.array([(t * 7 + 3) % vocab for t in PROMPT + PROMPT][:20], np.int32)
+    kw = {} if getattr(m, "rope_switch", None) is None else {"long_rope": True}
+    cache = m.new_cache(64, kv, max_chunk)
+    logs = [m.forward(ids[i:i + 8], cache, **kw) for i in range(0, 20, 8)]
+    out = np.empty((1, m.cfg.vocab_size), np.float32)
+    toks = []
+    for _ in range(3):
+        toks.append(int(np.argmax(logs[-1][-1])))
+        logs.append(m.forward(np.array(toks[-1:], np.int32), cache, out=out, **kw).copy())
+    return [("long-prompt", toks, _digest(logs))]
+
+
+CASES = {"main": _main_cases, "long-prompt": _long_prompt}
 
 
 def backend(name: str):
@@ -208,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="reference,cpu,opencl")
     ap.add_argument("--models", default=",".join(models(Path("."))))
     ap.add_argument("--kv", default=",".join(KV_DTYPES))
+    ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "forward_hashes"))
     args = ap.parse_args(argv)
     from edgeinfer.models.transformer import Transformer
@@ -218,7 +262,8 @@ def main(argv=None) -> int:
         for bname in args.backends.split(","):
             m = Transformer(cfg, tensors, backend(bname), 256)
             for kv in args.kv.split(","):
-                for case, toks, dig in run_cases(m, kv, chunk, cfg.vocab_size):
+                for case, toks, dig in run_cases(m, kv, chunk, cfg.vocab_size,
+                                                  args.cases.split(",")):
                     print(f"{name} {bname} {kv} {case} {','.join(map(str, toks))} {dig}",
                           flush=True)
             del m
