@@ -102,7 +102,9 @@ class DecodeStep:
 
 class DecodePlan(ABC):
     """A decode step compiled by a backend for one model and one KV cache (built once, held
-    by the model); it must equal the model's composition of single ops."""
+    by the model); it must equal the model's composition of single ops. It may hold the
+    cache's arrays but not the cache object, which it is given at each step (the model
+    maps caches to plans weakly, so a plan dies with its cache)."""
 
     @abstractmethod
     def run(self, ids: np.ndarray, positions: np.ndarray, cache: Any,
