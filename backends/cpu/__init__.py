@@ -23,6 +23,7 @@ two spinning pools never fight over the cores. :func:`kernel_paths` and
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 from .threads import start_threads, threading_info
 
@@ -32,8 +33,6 @@ start_threads()
 
 import numba
 import numpy as np
-
-from dataclasses import dataclass, replace
 
 from ..base import Backend, LinearGroup
 from ..kvcache import HostKVCache, _rotate
