@@ -386,7 +386,8 @@ def _finalize(value: Any) -> Any:
     """Every ``{{ expression }}`` output passes here before ``str()``."""
     b = _budget()
     b.tick()
-    n = _size(value, b.limits.max_chars)
+    # a string is written as itself (``_size`` adds 2 for the quotes of ``tojson``)
+    n = len(value) if isinstance(value, str) else _size(value, b.limits.max_chars)
     b.check(n, "an output value")
     b.write(n)
     return value
