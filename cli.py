@@ -245,7 +245,8 @@ def cmd_generate(args) -> int:
     constrained = _constraint(args)
     model = _load(args)
     final = None
-    for ev in model.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
+    for ev in model.stream(args.prompt, parse_special=args.parse_special,
+                           max_tokens=args.max_tokens, stop=args.stop,
                            **constrained, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
@@ -328,9 +329,17 @@ def cmd_perplexity(args) -> int:
     from edgeinfer.perplexity import perplexity
 
     model = _load(args)
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
-    ids = model.tokenizer.encode(text, add_special=False)
+    if not args.quiet:
+        _compile_notice(model)
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        print(f"error: {args.text} is not UTF-8 text ({e.reason} at byte {e.start})",
+              file=sys.stderr)
+        return 1
+    # special-token strings in the text ("<unk>" in WikiText) are text, as in llama.cpp
+    ids = model.tokenizer.encode(text, add_special=False, parse_special=False)
     res = perplexity(model.transformer, ids, n_ctx=args.chunk, n_chunks=args.chunks,
                      bos_id=model.tokenizer.bos_id if model.tokenizer.add_bos_token else None,
                      progress=not args.quiet, kv_dtype=model.engine.kv_dtype)
@@ -568,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(s)
     _add_sampling_args(s, chat=False)
     s.add_argument("--prompt", "-p", required=True)
+    s.add_argument("--parse-special", action=argparse.BooleanOptionalAction, default=True,
+                   help="special-token strings in the prompt (e.g. <|im_start|>) become control "
+                        "tokens (default, as llama.cpp); --no-parse-special encodes them as "
+                        "plain text")
     s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", default=None,
@@ -590,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "as NAME:METHOD, e.g. smollm2-135m-instruct:gptq); an existing file only "
                         "with --force; never the input")
     s.add_argument("--force", "-f", action="store_true",
-                   help="replace an existing output file")
-    s.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
+                   help="replace an existing --output file")
+    s.add_argument("--method", choices=["rtn", "awq", "gptq", "mse"], default="awq")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=128,
                    help="-1 = per-channel; a row it does not divide takes the largest multiple "

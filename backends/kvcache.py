@@ -58,8 +58,9 @@ first query attends to the ``W - 1`` keys before it. :meth:`read_positions` retu
 held keys with their absolute positions; :meth:`read` keeps the dense ``[end, ...]``
 shape (zeros where a position left the window, which the attention's window mask
 hides). :meth:`trim` on a ring keeps the prefix only if every key that later
-positions can still attend to is held; otherwise it resets the whole cache (case C28:
-never a raw slice of the ring). The engine reads ``length`` back after ``trim``.
+positions can still attend to is held; otherwise it resets the whole cache (never a
+raw slice of the ring: https://github.com/ml-explore/mlx-examples/issues/1000). The
+engine reads ``length`` back after ``trim``.
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ class HostKVCache:
 
     def _store(self, a: dict[str, np.ndarray], idx, k: np.ndarray, v: np.ndarray) -> None:
         """Encode k, v float32 [T, Hkv, hd] into the slots ``idx`` of layer arrays ``a``."""
-        if a["k"].dtype == np.float16:  # saturate instead of overflowing to inf (C23)
+        if a["k"].dtype == np.float16:  # saturate instead of overflowing to inf
             k, v = _f16(k), _f16(v)
         a["k"][idx] = k
         a["v"][idx] = v
@@ -278,6 +279,12 @@ class HostKVCache:
     def raw(self, layer: int) -> dict[str, np.ndarray]:
         """The storage arrays of ``layer`` by name (see the layout table); views, not copies."""
         return self._layer[layer]
+
+    @property
+    def rotation(self) -> np.ndarray | None:
+        """H_G (float32 [G, G], :func:`hadamard`) that K groups are multiplied by before
+        quantization (and a fast kernel's query), or None for f32 / f16."""
+        return self._h if self.rotate_k else None
 
     def positions(self, layer: int) -> np.ndarray | None:
         """int64 [S] position held by each slot of a ring layer (-1 empty); None if linear."""
@@ -450,7 +457,7 @@ class Int4KVCache(HostKVCache):
 
 class K8V4KVCache(HostKVCache):
     """Mixed: K as in int8 (rotated, symmetric per group), V as in int4 (asymmetric per
-    group, packed). K is the sensitive half (module docstring, measured on SmolLM2)."""
+    group, packed). K is the sensitive half (https://github.com/ggml-org/llama.cpp/pull/7412)."""
 
     rotate_k = True
 

@@ -24,15 +24,14 @@ half to even (``np.rint``); a zero scale gives all-zero codes (``q = 0``).
 Chee et al. 2023): before quantizing, each K group is multiplied by the orthonormal
 Sylvester-Hadamard matrix ``H_G`` (``H_1 = [1]``, ``H_2n = [[H, H], [H, -H]]``, then
 ``/ sqrt(G)``; symmetric, so ``H_G = H_G^T = H_G^-1``): ``y = x_g @ H_G``. RoPE'd keys
-carry outlier channels (KIVI, Liu et al. 2024, Sec. 3; case C27) on which per-token
+carry outlier channels (KIVI, Liu et al. 2024, Sec. 3; the 4-bit K failures of
+https://github.com/ggml-org/llama.cpp/issues/6172) on which per-token
 groups waste their range; the rotation spreads an outlier over the group, and
 ``q.k = (q H).(k H)``.
 
 **int4 K channel statistics** (offset ``m``, scale ``c`` per layer, KV head, channel).
 Qwen2.5's k_proj biases survive RoPE as large near-constant offsets in the lowest-
-frequency channels (|mean| up to 158 against a per-channel std of 0.5-38, measured on
-WikiText-2); rotated per-token 4-bit groups spent their whole range on them (Qwen2.5-
-Coder-0.5B: +195% perplexity). KIVI (Liu et al. 2024) quantizes K per channel over
+frequency channels, on which rotated per-token 4-bit groups spent their whole range. KIVI (Liu et al. 2024) quantizes K per channel over
 blocks of tokens; we keep every code *per token* (a position's codes depend only on its
 own K and the layer's fixed ``m, c``: chunked prefill == decode after the first write,
 prefix reuse and ring storage stay exact, no full-precision residual window) and
@@ -42,18 +41,11 @@ They are stored and added back, so they change only the quantization error, neve
 attention math; kernels fold them in: ``q.k' = (H (q * c)).y' + q.m``. ``c`` is a
 power of two near ``sqrt(rms(k - m))`` (the optimum of a uniform-error model without
 q: ``c_i^2 ~ rms k_i / rms q_i``), but only in heads whose channel RMS spread (max /
-median) exceeds 8 (Qwen's first layers: 76): applied everywhere it helped Qwen (+1.73%)
-and hurt SmolLM2 (+3.25%, whose spread is ~4), where the offset alone is best.
+median) exceeds 8 (Qwen's first layers; SmolLM2's spread is ~4, where the offset alone
+is best).
 
-Design measurements. Attention level (K-only int4, WikiText-2 chunk 1, mean over
-layers, output relative error / attention KL; Qwen2.5-Coder-0.5B | SmolLM2-135M):
-rotation only (previous format) 0.225 / 1.46 | 0.108 / 0.018; offset m 0.142 / 0.14 |
-0.099 / 0.014; m + power-of-two sqrt c 0.13-0.14 / 0.044-0.057 | 0.109 / 0.018; KIVI
-K 0.066 / 0.010 | 0.066 / 0.007 (a poor predictor of perplexity here). Perplexity
-(ΔPPL vs f32, int4 V throughout, 8 chunks of 512 unless noted; Qwen | SmolLM2):
-rotation only (previous) +195% | +2.22%; offset m alone +4.51% | +0.86%; m + sqrt c
-everywhere +1.73% | +3.25%; this format (c in wide heads) +2.48% | +1.17%; KIVI K
-+0.68% (2 chunks) | +0.74%.
+Why these choices (per-token codes, ``c`` only in wide heads) and what each format
+costs in quality: benchmarks/MEASUREMENTS.md (``benchmarks/kv_quality.py`` measures it).
 
 ``int8`` (K: 1 + 2/G bytes per element; V: 1 + 2/hd)
   K, per (p, h, group j), rotated ``y = x_g @ H_G``:
@@ -72,45 +64,12 @@ channel for K's ``m, c``), asymmetric, per (p, h, group j); K scaled and rotated
   ``i`` of a row holds channel ``2i`` in bits 0..3 and ``2i+1`` in bits 4..7.
 
 ``k8v4`` (K: 1 + 2/G, V: 0.5 + 4/G bytes per element): K exactly as ``int8``, V exactly
-  as ``int4``. K is the sensitive half (llama.cpp#7412), so this is the middle ground.
+  as ``int4``. K is the sensitive half (https://github.com/ggml-org/llama.cpp/pull/7412),
+  so this is the middle ground.
 
-Measured (``benchmarks/kv_quality.py``: WikiText-2 test, 8 chunks of 512 tokens, second
-halves scored = 2040 tokens, reference backend, the GGUFs' weights; KL and top-1 of the
-next-token distribution vs the f32 cache):
-
-SmolLM2-135M-Instruct (30 layers, 3 KV heads, hd 64; f32 PPL 21.5485):
-
-========== ======== ======== ======== ====== =================================
-KV         B/token  ΔPPL     KL       top-1  note
-========== ======== ======== ======== ====== =================================
-f16        23040    +0.002%  4e-7     100%
-int8       12060    -0.041%  0.00013  99.5%
-k8v4        9720    +0.114%  0.0045   95.9%
-int4        7200    +1.17%   0.0229   90.3%  (previous int4: +2.22%, 0.027)
-kivi4       (sim)   +0.74%   0.013    93.4%
-========== ======== ======== ======== ====== =================================
-
-Qwen2.5-Coder-0.5B-Instruct (24 layers, 2 KV heads, hd 64; f32 PPL 29.1806):
-
-========== ======== ======== ======== ====== =================================
-KV         B/token  ΔPPL     KL       top-1  note
-========== ======== ======== ======== ====== =================================
-int8        6432    +0.419%  0.0053   95.8%
-int4        3840    +2.48%   0.039    89.7%  (previous int4: +195%)
-========== ======== ======== ======== ====== =================================
-
-(bytes/token: all layers; f32 is 46080 and 24576. f16 / int8 / k8v4 rows of SmolLM2
-were measured before the int4 change, which does not touch them.)
-
-Quality (tests/test_kvcache.py; attention output vs an f32 cache, cosine over all
-outputs). N(0,1) q/k/v, 128 tokens, hd 64: f16 0.9999999, int8 0.99997, int4 0.995.
-C27 (K [64, 128] with one channel x50, five seeds): int8 0.99993-0.99995; int4
-0.9950-0.9960 (worst single query 0.974: the outlier widens the head's spread, so its
-channel gets ``c = 8``); rotation only (the previous format) 0.982-0.990, neither
-0.93-0.96. Qwen-like K (constant offsets of 90-150 on 4 channels): int4 0.995,
-without ``m, c`` 0.65, int8 0.997. fp16
-storage saturates at +-65504 instead of becoming inf (C23); quantized scales saturate
-the same way (entries beyond ~8e6 (int8) or a group minimum beyond +-65504 (int4) are
+fp16 storage saturates at +-65504 instead of becoming inf (softmax stays finite: see
+https://github.com/huggingface/transformers/pull/17306); quantized scales saturate the
+same way (entries beyond ~8e6 (int8) or a group minimum beyond +-65504 (int4) are
 clipped; int4's ``m`` itself is float32).
 """
 from __future__ import annotations

@@ -13,9 +13,7 @@ loading (re-exported by :mod:`edgeinfer.memory`). No Numba here (importable anyw
   kernels are loaded;
 * :class:`ForwardReleaser`: when a backend calls them during generation.
 
-Measured with ``edgeinfer bench M.eif --prompt-tokens 256 --gen-tokens 128`` (run peak
-RSS, int8 KV of 4096 positions): SmolLM2-135M INT4 (82.7 MiB file) 331-336 -> 258 MiB,
-Qwen2.5-Coder-0.5B INT4 (447.6 MiB file) 811 -> 580-604 MiB (load peak 1070 -> 504).
+What they save: benchmarks/MEASUREMENTS.md and the README's peak-RSS figures.
 """
 from __future__ import annotations
 
@@ -49,10 +47,8 @@ def release_free_heap() -> bool:
     glibc keeps freed memory in the middle of its heaps and arenas mapped (only the top of
     a heap is trimmed by ``free``), so short-lived buffers of a few MB (tokenizer JSON
     parse, repacking temporaries, the member arrays replaced by a fused copy, prefill
-    activations) stay in RSS after they die: 23 MiB after building SmolLM2's tokenizer,
-    60 MiB after Qwen2.5's, 76 MiB after Qwen2.5-0.5B's first forward (measured). Costs
-    ~0.1 ms when there is nothing to give back, ~6 ms after a first forward. Nothing
-    changes for the program: the pages are faulted in again (zeroed) if the allocator
+    activations) stay in RSS after they die (tens of MiB; benchmarks/MEASUREMENTS.md).
+    Cheap when there is nothing to give back. Nothing changes for the program: the pages are faulted in again (zeroed) if the allocator
     reuses them.
 
     Returns:
@@ -208,8 +204,7 @@ def release_jit_compiler_pages(names: tuple[str, ...] = JIT_LIBRARIES) -> int:
     """Drop the resident clean pages of the JIT compiler's shared library (LLVM).
 
     ``import numba`` maps llvmlite's statically linked LLVM (a ~150 MB file); loading the
-    cached kernels pages in more of it: 69 MiB of RSS after the first forward (51 MiB
-    code, 16 MiB read-only data; measured, SmolLM2 and Qwen2.5). Once the kernels are
+    cached kernels pages in more of it (tens of MiB of RSS). Once the kernels are
     loaded LLVM is idle (calling a compiled kernel runs no LLVM code). Only mappings that
     are not writable and hold no private (copy-on-write) page are advised
     ``MADV_DONTNEED``: for them that drops clean file pages and nothing else, and code

@@ -16,7 +16,8 @@ Layout (logical weight ``W[out, in]``, the HF ``nn.Linear`` orientation):
   same way (asymmetric), or ``None`` (symmetric: the zero point is 8).
 * ``bits == 8``: ``qweight`` int8 ``[out, in_padded]``, symmetric, zero point 0.
 * ``scales``: float16 ``[out, n_groups]`` (float32 where a group's scale would overflow
-  fp16, see case C10); dequantization is ``w = (q - z) * s`` computed in float32.
+  fp16, see https://github.com/casper-hansen/AutoAWQ/issues/498); dequantization is
+  ``w = (q - z) * s`` computed in float32.
 
 The same layout is used by the AWQ paper's asymmetric INT4 (Lin et al., MLSys 2024)
 and GPTQ (Frantar et al., ICLR 2023) once their own packings are undone.

@@ -321,8 +321,7 @@ def worker(a) -> None:
     from edgeinfer.models.transformer import Transformer
     if a.compose:
         from edgeinfer.backends.base import Backend
-        for op in ("decoder_block", "embed_step", "norm_logits"):
-            setattr(CpuBackend, op, getattr(Backend, op))
+        CpuBackend.compile_decode = Backend.compile_decode
     src = read_eif(a.eif)
     # positions: the run's, or the profiles' (up to 3 x 40 steps after the prompt)
     table = a.prompt + max(a.gen, 130 if a.profile else 0) + 16
@@ -447,8 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--startup", action="store_true", help="compile / cached start-up time")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--compose", action="store_true",
-                    help="A/B: decode through the contract's compositions of ops (the path "
-                         "before the fused decoder_block / embed_step / norm_logits)")
+                    help="A/B: decode through the model's composition of single ops (no "
+                         "compiled decode plan)")
     ap.add_argument("--worker", choices=("probe", "ours", "kernels"), help=argparse.SUPPRESS)
     ap.add_argument("--eif", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -11,14 +11,16 @@ from bench_cpu import prompt_ids
 
 
 def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
-    """Per-op wall time of decode steps (wrapping the backend's methods) vs the step time."""
+    """Per-op wall time of decode steps (wrapping the backend's methods) vs the step time.
+
+    With a compiled decode plan the step calls no backend op (except the attention op of
+    f32 / f16 ring layers): run with ``--compose`` for the composition's breakdown."""
     be = model.backend
     ids = prompt_ids(model.cfg.vocab_size, n_ctx)
     cache = model.new_cache(n_ctx + 2 * steps + 4, kv)
     model.forward(ids, cache)
     ops = ["embed", "rmsnorm", "linear", "linear_many", "rope", "attention", "glu", "add",
-           "logits", "attention_input", "attention_output_mlp", "decoder_block", "embed_step",
-           "norm_logits"]
+           "logits"]
     acc = {o: 0.0 for o in ops}
     orig = {o: getattr(be, o) for o in ops}
     depth = [0]
@@ -58,7 +60,7 @@ def profile_step(model, n_ctx: int, steps: int = 20, kv: str = "int8") -> dict:
     for _ in range(steps):
         for w, x, y in zip(ws, xs, ys):
             if isinstance(w, CpuQuantWeight):
-                gemv_quant(y, x, w, None, be._act)
+                gemv_quant(y, x, w, None, be.act_scratch)
             else:
                 np.dot(w, x, out=y)
     floor = (time.perf_counter() - t0) / steps * 1e3

@@ -158,7 +158,7 @@ def load_model(path: str):
         from edgeinfer.readers import read_model  # the runtime reader, once it lands
         src = read_model(path)
         tok = tokenizer_for(src)
-        return src.config, src.tensors, (lambda s: tok.encode(s, add_special=False)), os.path.getsize(path)
+        return src.config, src.tensors, (lambda s: tok.encode(s, add_special=False, parse_special=False)), os.path.getsize(path)
     except ImportError:
         cfg, tensors, tok, raw = load_gguf_llama(path)
         return cfg, tensors, (lambda s: tok.encode(s, add_special_tokens=False).ids), raw

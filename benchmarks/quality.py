@@ -9,8 +9,11 @@ Usage::
 For each row (baseline = the dequantized GGUF in float32 through the reference backend,
 then each converted ``.eif``) prints perplexity with llama.cpp's method (512-token chunks,
 second half scored; :mod:`edgeinfer.perplexity`), ΔPPL vs baseline, bits per weight of
-the linear+embedding tensors, file size, convert time and the converter's peak RSS. Each
-conversion runs in its own subprocess so its peak RSS is its own. Calibration: WikiText-2
+the linear+embedding tensors, file size, convert time and the converter's peak RSS, and
+KL(baseline || row) and top-1 agreement with the baseline per scored position (llama.cpp's
+``--kl-divergence`` figures; the baseline's log-probabilities are kept as float16 in
+``OUT/MODEL.base-logprobs.CHUNKS.npy``, so ``--skip-baseline`` and ``--llama`` runs reuse
+them). Each conversion runs in its own subprocess so its peak RSS is its own. Calibration: WikiText-2
 ``valid.txt``; evaluation: ``test.txt``. Anchors (MODELS.md): baseline 18.979, llama.cpp
 Q4_0 +18.3% at 4.5 bpw.
 
@@ -180,17 +183,22 @@ def gguf_bpw(path: str) -> dict:
     return {k: {"bpw": round(8 * b / n, 3), "types": sorted(ty)} for k, (b, n, ty) in by.items()}
 
 
-def llama_ppl(gguf_path: str, token_src: str, chunks: int) -> dict:
+def llama_ppl(gguf_path: str, token_src: str, chunks: int, kl_base: str | None = None) -> dict:
     """llama.cpp perplexity of a GGUF on WikiText-2 test with *our* token ids and the same
     chunking as :func:`edgeinfer.perplexity.perplexity` (512-token chunks, BOS written over
-    each chunk's first token when the model adds BOS, second half scored)."""
+    each chunk's first token when the model adds BOS, second half scored); with
+    ``kl_base`` (the baseline's saved log-probabilities, :func:`ppl_of`) also ``kl`` and
+    ``top1`` against it."""
     import math
 
     import llama_cpp
     from tokenizers import Tokenizer
 
+    from edgeinfer.perplexity import divergence
+
     src = read(token_src)
     tok = Tokenizer.from_str(src.tokenizer_json)
+    tok.encode_special_tokens = True  # "<unk>" in WikiText is text (llama.cpp: parse_special=false)
     text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
     toks = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
     bos = src.config.bos_token_id if src.add_bos_token else None
@@ -200,6 +208,8 @@ def llama_ppl(gguf_path: str, token_src: str, chunks: int) -> dict:
     llm = llama_cpp.Llama(gguf_path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2,
                           verbose=False)
     nll, count, t = 0.0, 0, time.perf_counter()
+    base = np.load(kl_base, mmap_mode="r") if kl_base and os.path.exists(kl_base) else None
+    kl_acc = [0.0, 0, 0]
     n = min(chunks, len(toks) // n_ctx)
     for i in range(n):
         chunk = toks[i * n_ctx:(i + 1) * n_ctx].copy()
@@ -213,24 +223,30 @@ def llama_ppl(gguf_path: str, token_src: str, chunks: int) -> dict:
         lse = np.log(np.exp(lg - mx).sum(axis=1)) + mx[:, 0]
         nll += float(np.sum(lse - lg[np.arange(len(tgt)), tgt]))
         count += len(tgt)
+        if base is not None:
+            for j, v in enumerate(divergence(base[i], lg - lse[:, None])):
+                kl_acc[j] += v
         print(f"[{i + 1}] {math.exp(nll / count):.4f}", file=sys.stderr, flush=True)
-    return {"ppl": math.exp(nll / count), "nll": nll / count, "n_tokens": count, "chunks": n,
-            "seconds": round(time.perf_counter() - t, 1)}
+    out = {"ppl": math.exp(nll / count), "nll": nll / count, "n_tokens": count, "chunks": n,
+           "seconds": round(time.perf_counter() - t, 1)}
+    if kl_acc[2]:
+        out["kl"], out["top1"] = round(kl_acc[0] / kl_acc[2], 5), round(kl_acc[1] / kl_acc[2], 4)
+    return out
 
 
 def llama_rows(model: str, chunks: int, out_dir: str, ftypes=("Q4_0",),
-               score_f32: bool = True) -> list[dict]:
+               score_f32: bool = True, kl_base: str | None = None) -> list[dict]:
     """llama.cpp rows: its F32 baseline (scored unless ``score_f32`` is false) and each
-    ``ftype`` quantized from that F32 file."""
+    ``ftype`` quantized from that F32 file (KL / top-1 against ``kl_base`` when given)."""
     base = f32_gguf(model, os.path.join(out_dir, os.path.basename(model) + ".F32.gguf"))
     rows = [{"row": "llama.cpp F32 (same baseline)", "bpw_gguf": gguf_bpw(base),
-             **(llama_ppl(base, model, chunks) if score_f32 else {"ppl": None})}]
+             **(llama_ppl(base, model, chunks, kl_base) if score_f32 else {"ppl": None})}]
     print(json.dumps(rows[-1]), flush=True)
     for ft in ftypes:
         t = time.perf_counter()
         q = llama_quantize(base, os.path.join(out_dir, os.path.basename(model) + f".{ft}.gguf"))
         row = {"row": f"llama.cpp {ft}", "quantize_seconds": round(time.perf_counter() - t, 1),
-               **llama_ppl(q, model, chunks), "bpw_gguf": gguf_bpw(q),
+               **llama_ppl(q, model, chunks, kl_base), "bpw_gguf": gguf_bpw(q),
                "file_size": os.path.getsize(q)}
         if rows[0]["ppl"]:
             row["dppl_pct"] = round(100 * (row["ppl"] / rows[0]["ppl"] - 1), 2)
@@ -240,24 +256,56 @@ def llama_rows(model: str, chunks: int, out_dir: str, ftypes=("Q4_0",),
 
 
 # ---------------------------------------------------------------- measurements
-def ppl_of(path: str, chunks: int) -> dict:
-    """Perplexity of a model file on WikiText-2 test through the reference backend."""
+def ppl_of(path: str, chunks: int, save_logprobs: str | None = None,
+           kl_base: str | None = None) -> dict:
+    """Perplexity of a model file on WikiText-2 test through the reference backend.
+
+    ``save_logprobs``: write the scored positions' log-probabilities (float16
+    ``[chunks, 255, V]``, a ``.npy`` file, via a temp file renamed at the end) for later
+    rows; ``kl_base``: such a file of the baseline, adding ``kl`` (mean KL(base || this),
+    nats) and ``top1`` (fraction of positions with the same most likely token).
+    """
     from edgeinfer.backends.reference import ReferenceBackend
     from edgeinfer.models.transformer import Transformer
     from tokenizers import Tokenizer
 
-    from edgeinfer.perplexity import perplexity
+    from edgeinfer.perplexity import divergence, perplexity
 
     src = read(path)
     tok = Tokenizer.from_str(src.tokenizer_json)
+    tok.encode_special_tokens = True  # "<unk>" in WikiText is text (llama.cpp: parse_special=false)
     text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_special_tokens=False).ids
     bos = src.config.bos_token_id if src.add_bos_token else None
     model = Transformer(src.config, src.tensors, ReferenceBackend(), max_positions=512)
+    sink, acc, store = None, [0.0, 0, 0], None
+    if save_logprobs:
+        tmp = save_logprobs + ".tmp.npy"
+        store = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                          shape=(chunks, 255, src.config.vocab_size))
+
+        def sink(i, lp):
+            store[i] = lp
+    elif kl_base:
+        base = np.load(kl_base, mmap_mode="r")
+
+        def sink(i, lp):
+            kl, same, n = divergence(base[i], lp)
+            acc[0] += kl
+            acc[1] += same
+            acc[2] += n
     t = time.perf_counter()
-    res = perplexity(model, ids, n_ctx=512, n_chunks=chunks, bos_id=bos, progress=True)
+    res = perplexity(model, ids, n_ctx=512, n_chunks=chunks, bos_id=bos, progress=True,
+                     on_logprobs=sink)
     res["seconds"] = round(time.perf_counter() - t, 1)
     res["chunk_ppl"] = [round(v, 4) for v in res["chunk_ppl"]]  # running estimate, as llama.cpp prints
+    if store is not None:
+        store.flush()
+        del store
+        os.replace(tmp, save_logprobs)
+    if kl_base and acc[2]:
+        res["kl"] = round(acc[0] / acc[2], 5)
+        res["top1"] = round(acc[1] / acc[2], 4)
     return res
 
 
@@ -291,6 +339,8 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--_convert", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_ppl", help=argparse.SUPPRESS)
+    ap.add_argument("--_save-logprobs", dest="save_logprobs", help=argparse.SUPPRESS)
+    ap.add_argument("--_kl-base", dest="kl_base", help=argparse.SUPPRESS)
     ap.add_argument("--llama", action="store_true",
                     help="only the llama.cpp rows: F32 baseline and Q4_0 from it")
     ap.add_argument("--llama-no-f32", action="store_true",
@@ -305,11 +355,13 @@ def main() -> None:
                                      args.calib_len, args.act_order)))
         return
     if args._ppl:
-        print(json.dumps(ppl_of(args._ppl, args.chunks)))
+        print(json.dumps(ppl_of(args._ppl, args.chunks, args.save_logprobs, args.kl_base)))
         return
     os.makedirs(args.out, exist_ok=True)
-    if args.llama:
-        llama_rows(model, args.chunks, args.out, score_f32=not args.llama_no_f32)
+    base_lp = os.path.join(args.out, f"{os.path.basename(model)}.base-logprobs.{args.chunks}.npy")
+    if args.llama:  # KL / top-1 against the baseline's log-probs when a run saved them
+        llama_rows(model, args.chunks, args.out, score_f32=not args.llama_no_f32,
+                   kl_base=base_lp)
         return
 
     def child(*extra) -> dict:
@@ -321,25 +373,26 @@ def main() -> None:
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     rows = []
-    base = None if args.skip_baseline else child("--_ppl", model)
+    base = None if args.skip_baseline else child("--_ppl", model, "--_save-logprobs", base_lp)
     if base:
         rows.append({"row": "baseline (dequantized GGUF, f32)", **base})
         print(json.dumps(rows[-1]), flush=True)
     for m in args.methods.split(","):
         out = os.path.join(args.out, f"{os.path.basename(model)}.{m}.g128.eif")
         rep = child("--_convert", m, out)
-        res = child("--_ppl", out)
+        res = child("--_ppl", out, *(["--_kl-base", base_lp] if os.path.exists(base_lp) else []))
         row = {"row": m, **res, **rep}
         if base:
             row["dppl_pct"] = round(100 * (res["ppl"] / base["ppl"] - 1), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| row | PPL | ΔPPL | bpw (linears / all) | file MiB | convert s | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| row | PPL | ΔPPL | KL | top-1 | bpw (linears / all) | file MiB | convert s | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bpw = r.get("bpw_linear", {})
         lin = bpw.get("attention"), bpw.get("mlp")
-        print(f"| {r['row']} | {r['ppl']:.3f} | {('%+.2f%%' % r['dppl_pct']) if 'dppl_pct' in r else '—'} "
+        kl = f"{r['kl']:.4f} | {100 * r['top1']:.1f}%" if "kl" in r else "— | —"
+        print(f"| {r['row']} | {r['ppl']:.3f} | {('%+.2f%%' % r['dppl_pct']) if 'dppl_pct' in r else '—'} | {kl} "
               f"| {lin[0] and f'{lin[0]:.2f}/{lin[1]:.2f}'} / {r.get('bpw_all_weights', '—')} "
               f"| {r.get('file_size', 0) / 2**20:.1f} | {r.get('convert_seconds', '—')} "
               f"| {r.get('peak_rss_mib', '—')} |")

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from .backends.errors import BackendUnavailableError as _BackendUnavailable
+from .chat_template import RenderLimits
 from .constrained import Grammar, as_grammar
 from .engine import Engine, GenerationEvent, GenerationStats, peak_rss_mb
-from .errors import BackendUnavailableError, EdgeInferError, ModelFormatError
+from .errors import BackendUnavailableError, ContextOverflowError, EdgeInferError, ModelFormatError
 from .memory import (
     context_length,
     release_free_heap,
@@ -250,21 +251,41 @@ class Model:
         return time.perf_counter() - t0
 
     # ---- prompts ---------------------------------------------------------------------
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a plain-text prompt (BOS added once if the model wants it)."""
-        return self.tokenizer.encode(prompt, add_special=True)
+    def encode_prompt(self, prompt: str, *, parse_special: bool = True) -> list[int]:
+        """Token ids of a plain-text prompt (BOS added once if the model wants it).
+
+        ``parse_special`` (default True, as llama.cpp): special-token strings in the prompt
+        ("<|im_start|>") become control tokens; False encodes them as plain text, for
+        prompts from untrusted sources.
+
+        Raises:
+            InvalidTextError: the prompt is not valid Unicode (a lone surrogate).
+        """
+        return self.tokenizer.encode(prompt, add_special=True, parse_special=parse_special)
+
+    @property
+    def render_limits(self) -> RenderLimits:
+        """Bounds on rendering a chat template here: 2 s, and
+        ``CHARS_PER_CONTEXT_TOKEN`` (8) characters per context token."""
+        return RenderLimits.for_context(self.n_ctx)
 
     def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
                     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template
-        (generation prompt added). Models without a template get the message contents
-        joined by blank lines (:func:`edgeinfer.chat_template.plain_prompt`).
+        (generation prompt added). Message content is text: special-token strings in it
+        are encoded as plain text, never as control tokens. Models without a template
+        get the message contents joined by blank lines
+        (:func:`edgeinfer.chat_template.plain_prompt`), also encoded as text.
 
         ``tools``: OpenAI function tools, rendered by the template (see
         :meth:`tool_support`); assistant ``tool_calls`` and ``tool`` messages in
         ``messages`` are rendered as the template spells them.
 
         Raises:
+            ChatTemplateTooLargeError: the render exceeds ``render_limits`` (a
+                ``ContextOverflowError``: it could not fit the context).
+            ChatTemplateError: the template failed or ran past its time limit.
+            InvalidTextError: a message is not valid Unicode.
             ToolError: ``tools`` given to a model whose template cannot take them.
         """
         from .tools import normalize_tools, template_messages
@@ -277,9 +298,11 @@ class Model:
             tools = normalize_tools(list(tools))
         if self.tokenizer.chat_template:
             return self.tokenizer.apply_chat_template(template_messages(messages),
-                                                      add_generation_prompt=True, tools=tools)
+                                                      add_generation_prompt=True, tools=tools,
+                                                      render_limits=self.render_limits)
         from .tokenizer import plain_prompt
-        return self.tokenizer.encode(plain_prompt(list(messages)), add_special=True)
+        return self.tokenizer.encode(plain_prompt(list(messages)), add_special=True,
+                                     parse_special=False)
 
     def tool_support(self) -> str | None:
         """Why this model cannot be given tools (a sentence), or None when it can: its
@@ -359,13 +382,15 @@ class Model:
         finally:
             self._lock.release()
 
-    def stream(self, prompt: str, **kw) -> Iterator[GenerationEvent]:
-        """Stream a completion of a plain-text prompt."""
-        return self.stream_ids(self.encode_prompt(prompt), **kw)
+    def stream(self, prompt: str, *, parse_special: bool = True, **kw) -> Iterator[GenerationEvent]:
+        """Stream a completion of a plain-text prompt (``parse_special``: see
+        :meth:`encode_prompt`; other keywords: :meth:`stream_ids`)."""
+        return self.stream_ids(self.encode_prompt(prompt, parse_special=parse_special), **kw)
 
-    def generate(self, prompt: str, **kw) -> str:
-        """Complete a plain-text prompt; returns the generated text."""
-        return "".join(ev.text for ev in self.stream(prompt, **kw))
+    def generate(self, prompt: str, *, parse_special: bool = True, **kw) -> str:
+        """Complete a plain-text prompt; returns the generated text (``parse_special``:
+        see :meth:`encode_prompt`)."""
+        return "".join(ev.text for ev in self.stream(prompt, parse_special=parse_special, **kw))
 
     def chat_stream(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
                     tool_choice=None, parallel_tool_calls: bool = False,
@@ -434,8 +459,11 @@ class Model:
         from .conversation import fit_messages, split_turns
 
         reserve = max(0, min(int(reserve), self.n_ctx - 1))
-        ids = self.encode_chat(messages, tools=tools)
-        if len(ids) + reserve <= self.n_ctx:
+        try:
+            ids = self.encode_chat(messages, tools=tools)
+        except ContextOverflowError:  # the render outgrew render_limits: drop old turns
+            ids = None
+        if ids is not None and len(ids) + reserve <= self.n_ctx:
             return ids, 0
         encode = (lambda msgs: self.encode_chat(msgs, tools=tools))
         kept, n_messages = fit_messages(list(messages), encode, self.n_ctx, reserve)

@@ -10,6 +10,9 @@ Policy (documented for users in ``/help``):
   stays in the conversation, exactly as generated, so the next turn reuses its KV cache.
 * Ctrl-C at the prompt says how to quit; Ctrl-D (EOF), ``/exit``, ``/quit`` or ``/bye``
   quit, leaving the terminal on a fresh line.
+* A message that fails (it does not fit the context, it is not valid UTF-8, the chat
+  template fails) prints ``error: ...`` and the chat goes on; the exit status is then 1,
+  so a script piping messages in can tell (0 when every message was answered).
 """
 from __future__ import annotations
 
@@ -177,7 +180,8 @@ def answer(model, convo: list[dict], max_tokens: int, stop: list[str],
 
 def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sampling: dict,
              print_stats: Callable, compile_notice: Callable[[object], None]) -> int:
-    """The read-answer loop until EOF or /exit; returns the exit status (0).
+    """The read-answer loop until EOF or /exit; returns the exit status: 0 when every
+    message was answered, 1 when one failed (its error was printed).
 
     Args:
         model: an :class:`edgeinfer.api.Model`.
@@ -198,8 +202,13 @@ def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sam
         # load the CPU kernels from their disk cache while the user types (else the
         # first answer's TTFT pays for it); the first answer waits for it if need be
         threading.Thread(target=model.warm_up, name="edgeinfer-warm-up", daemon=True).start()
+    if getattr(sys.stdin, "errors", None) == "strict" and hasattr(sys.stdin, "reconfigure"):
+        # invalid UTF-8 then reaches the tokenizer as lone surrogates, which refuses that
+        # one message clearly; a strict decoder would drop the whole buffered chunk
+        sys.stdin.reconfigure(errors="surrogateescape")
     state = {"system": system, "messages": [], "stats": None, "interrupted": False}
     prompt = ">>> " if interactive else ""
+    failed = 0
     while True:
         try:
             text = read_message(prompt).strip()
@@ -207,6 +216,11 @@ def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sam
             if prompt:
                 print(flush=True)  # Ctrl-D: leave the shell prompt on a fresh line
             break
+        except UnicodeDecodeError as e:  # a stdin that could not be reconfigured
+            print(f"error: the input is not valid UTF-8 ({e.reason} at byte {e.start})",
+                  file=sys.stderr)
+            failed += 1
+            continue
         except KeyboardInterrupt:
             print("\n[Ctrl-D or /exit quits]" if interactive else "")
             continue
@@ -225,6 +239,7 @@ def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sam
         except EdgeInferError as e:  # e.g. the conversation outgrew the context
             state["messages"].pop()
             print(f"\nerror: {e}", file=sys.stderr)
+            failed += 1
             continue
         if final is not None:
             state["stats"], state["interrupted"] = final.stats, interrupted
@@ -233,4 +248,4 @@ def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sam
         # the reply exactly as generated (not stripped): the KV cache holds these tokens,
         # and a re-render that spells them the same reuses all of them next turn
         state["messages"].append({"role": "assistant", "content": reply})
-    return 0
+    return 1 if failed else 0

@@ -22,6 +22,11 @@ The environment matches what Hugging Face transformers uses for ``apply_chat_tem
 The rendered text already contains every control token the model expects (BOS
 included, where the template writes ``{{ bos_token }}``); it must be tokenized WITHOUT
 adding special tokens again (case C07, transformers#37686, llama-cpp-python#1439).
+
+Rendering is bounded (:mod:`edgeinfer.template_sandbox`): a deadline (2 s by default),
+a size limit on the text and on every value the template builds (``RenderLimits``), and
+a limit on nested calls. Every failure, whatever the template raised, becomes a
+:class:`ChatTemplateError` with a one-line message.
 """
 from __future__ import annotations
 
@@ -34,21 +39,31 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.template_sandbox import (
+    BoundedSandbox,
+    ChatTemplateError,
+    ChatTemplateTimeoutError,
+    ChatTemplateTooLargeError,
+    RenderLimits,
+    bounded_render,
+)
 
-__all__ = ["ChatTemplateError", "compile_chat_template", "plain_prompt", "render_chat_template"]
+__all__ = ["MAX_TEMPLATE_CHARS", "ChatTemplateError", "ChatTemplateTimeoutError",
+           "ChatTemplateTooLargeError", "RenderLimits", "compile_chat_template", "plain_prompt",
+           "render_chat_template"]
+
+#: Longest chat template source accepted, characters (real ones are under 20 000).
+MAX_TEMPLATE_CHARS = 1 << 20
+#: Deepest nesting of lists/dicts accepted in messages and tools.
+MAX_MESSAGE_DEPTH = 64
 
 
-class ChatTemplateError(EdgeInferError, jinja2.TemplateError, ValueError):
-    """A chat template failed to compile or render, or called ``raise_exception``.
-
-    For ``raise_exception(msg)`` the message is exactly the template's ``msg`` (e.g.
-    "Conversation roles must alternate user/assistant/user/assistant/..."). It is a
-    ``jinja2.TemplateError`` (what HF raises) and a ``ValueError`` (what edgeinfer's
-    tokenizer documents), so callers may catch either.
-    """
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an exception on one line, at most ``limit`` characters."""
+    text = " ".join(str(e).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _raise_exception(message: str) -> None:
@@ -88,40 +103,52 @@ def compile_chat_template(template: str) -> jinja2.Template:
     """Compile a chat template once; later calls with the same string hit the cache.
 
     Args:
-        template: the Jinja source (``chat_template`` of a tokenizer config).
+        template: the Jinja source (``chat_template`` of a tokenizer config), at most
+            :data:`MAX_TEMPLATE_CHARS` characters.
 
     Returns:
-        A compiled ``jinja2.Template`` bound to the sandboxed environment described in
-        the module docstring.
+        A compiled ``jinja2.Template`` bound to the bounded sandbox described in the module
+        docstring; render it with :func:`render_chat_template` (its hooks refuse to run
+        outside a bounded render).
 
     Raises:
-        ChatTemplateError: the template has a syntax error (the message names the line)
-            or is not a string.
+        ChatTemplateError: the template has a syntax error (the message names the line),
+            is too long, nests too deeply to compile, or is not a string.
     """
     if not isinstance(template, str):
         raise ChatTemplateError(f"chat template must be a string, got {type(template).__name__}")
-    env = ImmutableSandboxedEnvironment(
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"chat template is {len(template)} characters long; at most "
+                                f"{MAX_TEMPLATE_CHARS} are accepted")
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        filters={"tojson": _tojson},
+        globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now},
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(
             f"chat template does not compile (line {e.lineno}): {e.message}") from e
+    except Exception as e:  # noqa: BLE001  RecursionError, MemoryError, SyntaxError of deep nesting
+        raise ChatTemplateError(f"chat template does not compile: {_one_line(e)}") from e
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, depth: int = 0) -> Any:
     """Copy ``value`` to plain JSON-like types (str/int/float/bool/None/dict/list/tuple).
 
     Objects the sandbox cannot vouch for become the placeholder "<TypeName>", as in HF's
     ``_plain_template_data``; numpy scalars become Python scalars.
+
+    Raises:
+        ChatTemplateError: lists/dicts nest deeper than :data:`MAX_MESSAGE_DEPTH`.
     """
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if depth > MAX_MESSAGE_DEPTH:
+        raise ChatTemplateError(f"chat messages nest lists/objects deeper than "
+                                f"{MAX_MESSAGE_DEPTH} levels")
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
@@ -129,13 +156,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, depth + 1): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(_plain(v, depth + 1) for v in value)
     if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
-        return _plain(value.item())  # numpy scalar
+        return _plain(value.item(), depth + 1)  # numpy scalar
     return f"<{type(value).__name__}>"
 
 
@@ -147,6 +174,7 @@ def render_chat_template(
     bos_token: str | None = None,
     eos_token: str | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    render_limits: RenderLimits | None = None,
     **extra: Any,
 ) -> str:
     """Render ``messages`` with a chat template, as HF ``apply_chat_template(tokenize=False)``.
@@ -159,6 +187,8 @@ def render_chat_template(
         bos_token, eos_token: the special-token strings; omitted from the template
             variables when None (so ``{{ bos_token }}`` renders "" rather than "None").
         tools: JSON-schema dicts of callable tools, for templates that support them.
+        render_limits: time and size bounds (default ``RenderLimits()``: 2 s,
+            ``DEFAULT_MAX_CHARS`` characters).
         **extra: more template variables (``pad_token``, ``date_string``,
             ``enable_thinking``, ...). They override the special tokens if both are given.
 
@@ -166,9 +196,11 @@ def render_chat_template(
         The prompt text, control tokens included.
 
     Raises:
+        ChatTemplateTimeoutError, ChatTemplateTooLargeError: a render limit was reached.
         ChatTemplateError: the template calls ``raise_exception`` (message passed through
-            unchanged), fails to compile, or fails while rendering (e.g. a sandbox
-            violation or a type error inside the template).
+            unchanged), fails to compile, or fails while rendering: any exception the
+            template raises (a sandbox violation, a TypeError, ZeroDivisionError,
+            OverflowError, RecursionError, MemoryError...) becomes one, on one line.
         TypeError: a message is not a mapping.
     """
     plain_messages = []
@@ -183,21 +215,22 @@ def render_chat_template(
     if eos_token is not None:
         variables["eos_token"] = eos_token
     variables.update({k: _plain(v) for k, v in extra.items()})
+    variables.update(messages=plain_messages, add_generation_prompt=bool(add_generation_prompt),
+                     tools=_plain(list(tools)) if tools is not None else None)
     compiled = compile_chat_template(template)
     try:
-        return compiled.render(
-            messages=plain_messages,
-            add_generation_prompt=bool(add_generation_prompt),
-            tools=_plain(list(tools)) if tools is not None else None,
-            **variables,
-        )
+        return bounded_render(compiled, render_limits or RenderLimits(), variables)
     except ChatTemplateError:
         raise
+    except RecursionError as e:
+        raise ChatTemplateError("chat template failed to render: it recursed too deeply "
+                                "(a macro that calls itself without end?)") from e
+    except MemoryError as e:
+        raise ChatTemplateError("chat template failed to render: out of memory") from e
     except jinja2.TemplateError as e:  # sandbox violations, undefined-attribute errors
-        raise ChatTemplateError(f"chat template failed to render: {e}") from e
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise ChatTemplateError(
-            f"chat template failed to render: {type(e).__name__}: {e}") from e
+        raise ChatTemplateError(f"chat template failed to render: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001  whatever else the template's code raised
+        raise ChatTemplateError(f"chat template failed to render: {_one_line(e)}") from e
 
 
 def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:

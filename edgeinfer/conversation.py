@@ -19,6 +19,7 @@ covers the whole reply.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from .errors import ContextOverflowError
@@ -51,7 +52,9 @@ def fit_messages(messages: Sequence[dict], render_ids: Callable[[list[dict]], li
     Args:
         messages: the conversation, oldest first.
         render_ids: messages -> prompt token ids through the chat template (with the
-            generation prompt), e.g. ``Model.encode_chat``.
+            generation prompt), e.g. ``Model.encode_chat``. A ``ContextOverflowError``
+            it raises (a render larger than the template's size limit) counts as not
+            fitting.
         n_ctx: context length in tokens.
         reserve: tokens kept free for the reply (>= 0).
 
@@ -70,17 +73,27 @@ def fit_messages(messages: Sequence[dict], render_ids: Callable[[list[dict]], li
         raise ValueError(f"reserve must be in 0..{n_ctx - 1} for n_ctx {n_ctx}, got {reserve}")
     budget = n_ctx - reserve
     system, turns = split_turns(messages)
+
+    def count(kept: list[dict]) -> float:
+        try:
+            return len(render_ids(kept))
+        except ContextOverflowError:  # the render itself outgrew its size limit
+            return math.inf
+
+    def tokens(n: float) -> str:
+        return f"more than {n_ctx} tokens" if n == math.inf else f"{n} tokens"
+
     if not turns:  # only system messages: nothing to drop
-        n = len(render_ids(list(system)))
+        n = count(list(system))
         if n > budget:
             raise ContextOverflowError(
-                f"the system prompt alone renders to {n} tokens but only {budget} fit "
+                f"the system prompt alone renders to {tokens(n)} but only {budget} fit "
                 f"(context {n_ctx} - {reserve} reserved for the reply)")
         return list(system), 0
 
-    def render(k: int) -> tuple[list[dict], int]:
+    def render(k: int) -> tuple[list[dict], float]:
         kept = list(system) + [m for t in turns[k:] for m in t]
-        return kept, len(render_ids(kept))
+        return kept, count(kept)
 
     kept, n = render(0)
     if n <= budget:
@@ -89,7 +102,7 @@ def fit_messages(messages: Sequence[dict], render_ids: Callable[[list[dict]], li
     _, n_last = render(last)
     if n_last > budget:
         raise ContextOverflowError(
-            f"the last user turn with the system prompt renders to {n_last} tokens but only "
+            f"the last user turn with the system prompt renders to {tokens(n_last)} but only "
             f"{budget} fit (context {n_ctx} - {reserve} reserved for the reply); shorten the "
             f"message or raise the context")
     # rendered length shrinks as turns are dropped: binary search the fewest dropped

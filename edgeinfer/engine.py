@@ -15,8 +15,10 @@ Policy (documented for users):
   truncated silently); generation that reaches the end of the context stops with
   finish reason ``"length"``.
 * Stops on any EOS id (config + generation config + tokenizer), on stop strings (text
-  that may still become one is held back), on ``max_tokens`` ("length"), or when the
-  caller's cancel event is set ("cancelled").
+  that may still become one is held back; a stop string that is exactly one special
+  token, such as "<start_of_turn>", stops on that token's id, since special tokens
+  decode to no text), on ``max_tokens`` ("length"), or when the caller's cancel event is
+  set ("cancelled").
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import numpy as np
 from .detokenizer import StreamingDetokenizer
 from .errors import ContextOverflowError
 from .sampling import Sampler, SamplingParams
-from .stopping import StopChecker
+from .stopping import StopChecker, stop_strings_to_ids
 from .tokenizer import Tokenizer
 
 
@@ -256,7 +258,8 @@ class Engine:
             prompt_ids: the full prompt (chat template already applied).
             params: sampling settings (default: greedy).
             max_tokens: most tokens to generate.
-            stop: stop strings; matched text is not emitted.
+            stop: stop strings; matched text is not emitted. One that is exactly a special
+                token (``stop_strings_to_ids``) stops on its id; that token is not emitted.
             cancel: checked between steps; when set the stream ends with "cancelled".
             constraint: an :class:`edgeinfer.constrained.Constraint` (fresh, at the
                 grammar's start): each token is sampled under its mask.
@@ -272,7 +275,8 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         tok = self.tokenizer
         detok = StreamingDetokenizer(tok, leading_space=leading_space)
-        stopper = StopChecker(tok.eos_ids, list(stop), max_tokens)
+        stop_ids, stop_texts = stop_strings_to_ids(stop, tok)
+        stopper = StopChecker(tok.eos_ids | stop_ids, stop_texts, max_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
         logits, reused = self.prefill(list(prompt_ids), cancel)

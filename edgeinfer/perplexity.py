@@ -20,7 +20,7 @@ import numpy as np
 
 def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
                bos_id: int | None = None, progress: bool = False,
-               kv_dtype: str = "f32") -> dict:
+               kv_dtype: str = "f32", on_logprobs=None) -> dict:
     """llama.cpp-compatible perplexity of ``model`` on a token stream.
 
     Args:
@@ -34,6 +34,9 @@ def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
         progress: tqdm bar on stderr.
         kv_dtype: KV cache storage used while evaluating each chunk (to measure what a
             quantized cache costs).
+        on_logprobs: optional ``f(chunk_index, logprobs)`` called with each chunk's
+            log-softmax over the vocabulary at the scored positions, float64
+            ``[n_ctx - 1 - n_ctx // 2, V]`` (for KL divergence against another model).
 
     Returns:
         dict ``ppl`` (float), ``nll`` (mean negative log-likelihood, nats), ``n_tokens``
@@ -72,8 +75,32 @@ def perplexity(model, ids, n_ctx: int = 512, n_chunks: int | None = None,
         mx = logits.max(axis=1, keepdims=True)
         lse = np.log(np.exp(logits - mx).sum(axis=1)) + mx[:, 0]
         nll += float(np.sum(lse - logits[np.arange(len(target)), target]))
+        if on_logprobs is not None:
+            on_logprobs(i, logits - lse[:, None])
         count += len(target)
         running.append(math.exp(nll / count))
     mean = nll / count
     return {"ppl": math.exp(mean), "nll": mean, "n_tokens": count, "chunks": n,
             "chunk_ppl": running}
+
+
+def divergence(base_logprobs: np.ndarray, logprobs: np.ndarray) -> tuple[float, int, int]:
+    """KL divergence and top-1 agreement of a model's next-token distributions against a
+    baseline's, as llama.cpp's ``--kl-divergence`` reports them.
+
+    Args:
+        base_logprobs: the baseline's log-probabilities ``[T, V]`` (any float dtype, e.g.
+            stored as float16; renormalized here).
+        logprobs: the model's log-probabilities ``[T, V]`` at the same positions.
+
+    Returns:
+        ``(kl_sum, same_top1, T)``: ``Σ_t KL(P_t || Q_t)`` in nats, the number of positions
+        whose most likely token is the same, and ``T``.
+    """
+    lp = np.asarray(base_logprobs, np.float64)
+    lp = lp - (np.log(np.exp(lp - lp.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
+               + lp.max(axis=1, keepdims=True))
+    lq = np.asarray(logprobs, np.float64)
+    kl = float(np.sum(np.exp(lp) * (lp - lq)))
+    same = int(np.sum(lp.argmax(axis=1) == lq.argmax(axis=1)))
+    return kl, same, lp.shape[0]

@@ -295,7 +295,8 @@ class _Server:
         req.grammar = get_response_format(body)
         prompt = get_prompt(body)
         if isinstance(prompt, str):
-            ids = await self._encode(lambda: self.model.encode_prompt(prompt), "prompt")
+            ids = await self._encode(lambda: self.model.encode_prompt(
+                prompt, parse_special=req.parse_special), "prompt")
         else:
             vocab = self.model.config.vocab_size
             if any(not 0 <= t < vocab for t in prompt):

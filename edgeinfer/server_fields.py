@@ -31,7 +31,7 @@ COMMON = frozenset({
     "n", "logprobs", "top_logprobs", "echo", "best_of",  # refused unless neutral
 })
 CHAT = COMMON | {"messages", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
-COMPLETIONS = COMMON | {"prompt", "response_format"}
+COMPLETIONS = COMMON | {"prompt", "response_format", "parse_special"}
 
 #: OpenAI parameters that do not change the generated text
 NEUTRAL = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",

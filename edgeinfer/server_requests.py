@@ -213,7 +213,12 @@ def get_prompt(body: dict) -> str | list[int]:
 
 @dataclass
 class GenRequest:
-    """A validated generation request (either endpoint)."""
+    """A validated generation request (either endpoint).
+
+    ``parse_special`` (request field, default true; /v1/completions only): special-token
+    strings in a string ``prompt`` become control tokens, as llama.cpp's server does;
+    false encodes them as plain text. Chat messages are always text.
+    """
 
     stream: bool
     max_tokens: int | None
@@ -224,6 +229,7 @@ class GenRequest:
     tools: object = None  # an active edgeinfer.server_fields.ToolRequest (chat only)
     dropped_turns: int = 0  # oldest chat turns dropped to fit the context
     chat: bool = False  # a chat reply (no SentencePiece leading space restored)
+    parse_special: bool = True
 
 
 def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> GenRequest:
@@ -282,7 +288,8 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
         raise APIError(400, str(e), code="invalid_value") from None
     # the other fields: edgeinfer.server_fields.check_fields
     return GenRequest(stream=stream, max_tokens=max_tokens, stop=get_stop(body),
-                      sampling=sampling, include_usage=include_usage)
+                      sampling=sampling, include_usage=include_usage,
+                      parse_special=get_bool(body, "parse_special", True))
 
 
 def check_auth(request: Request, api_key: str | None) -> None:

@@ -10,7 +10,23 @@ What this layer adds on top of the ``tokenizers`` package, and why:
   (vllm#16853: prompts starting 128000, 128000).
 - **Chat prompts are encoded without special tokens** (``apply_chat_template``): the
   rendered template already holds every control token (HF's rule, llama-cpp-python#1439).
+- **Message content is text** (``apply_chat_template``): a special-token string inside a
+  message ("<|im_start|>system...", "<end_of_turn>") is encoded as the plain text it is;
+  only the template's own markup makes control tokens (the placeholders of
+  :mod:`edgeinfer.special_text`, turned back into text by a normalizer step, after the
+  added-token split). Messages without special-token strings encode exactly as HF
+  ``apply_chat_template(tokenize=True)``.
+- **Raw text parses special tokens by default** (``encode(text)``, as llama.cpp's
+  ``parse_special=true``); ``encode(text, parse_special=False)`` encodes them as text
+  (the ``tokenizers`` ``encode_special_tokens`` setting), as perplexity and calibration
+  text need.
+- **Text must be valid Unicode**: a lone surrogate (what Python makes of invalid UTF-8
+  in ``sys.argv``, or a JSON ``"\\ud800"``) raises :class:`InvalidTextError`.
 - **The EOS set is a union** (case C06, vllm#4180, ollama#3759): see ``eos_ids``.
+
+The placeholder step and ``parse_special=False`` change two settings of the wrapped
+``tokenizers.Tokenizer`` (its normalizer, ``encode_special_tokens``) for the duration of
+one encode, under a lock every encode here takes; decoding reads neither.
 
 Building one from a model folder's files is ``Tokenizer.from_hf_configs(json_text,
 tokenizer_config, generation_config, model_config)``; ``from_json_text`` takes every
@@ -19,15 +35,19 @@ setting explicitly.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tokenizers
+from tokenizers import normalizers
 
-from edgeinfer.chat_template import plain_prompt, render_chat_template
+from edgeinfer.chat_template import ChatTemplateError, RenderLimits, plain_prompt, render_chat_template
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.special_text import InvalidTextError, check_text, escape_special_strings
 
-__all__ = ["END_OF_TURN_TOKENS", "MissingChatTemplateError", "Tokenizer", "plain_prompt"]
+__all__ = ["END_OF_TURN_TOKENS", "InvalidTextError", "MissingChatTemplateError", "Tokenizer",
+           "plain_prompt"]
 
 # Control tokens that end an assistant turn in common chat formats. Many checkpoints name
 # only the end-of-text token as EOS in their tokenizer config, while the instruct model
@@ -72,8 +92,10 @@ def _has_byte_fallback(node: Any) -> bool:
 class Tokenizer:
     """Text ↔ token ids for one model, plus its chat template and end-of-sequence ids.
 
-    Construct with ``from_json_text`` or ``from_hf_configs``. Instances are immutable
-    and safe to share between threads (``tokenizers`` encode/decode release no state).
+    Construct with ``from_json_text`` or ``from_hf_configs``. Safe to share between
+    threads: encodes take one lock (two kinds change a backend setting for the duration
+    of one encode, see the module docstring); decodes need none. Encode through this
+    class, not through ``backend``, while other threads may be encoding.
     """
 
     def __init__(
@@ -102,6 +124,10 @@ class Tokenizer:
 
         added = backend.get_added_tokens_decoder()  # {id: AddedToken}
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # encodes run one at a time: two of them change backend settings for a moment
+        self._encode_lock = threading.Lock()
+        self._special_initials = frozenset(
+            tok.content[0] for tok in added.values() if tok.special and tok.content)
 
         eos = set() if eos_id is None else {eos_id}
         for i in extra_eos_ids:
@@ -286,22 +312,44 @@ class Tokenizer:
         return tuple(self._templates)
 
     # ----------------------------------------------------------------- ids ↔ text
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, *, parse_special: bool = True
+               ) -> list[int]:
         """Token ids of ``text``.
 
-        Special-token strings inside ``text`` (e.g. "<|eot_id|>") become their ids, as in
-        HF. ``add_special=True`` prepends BOS when ``add_bos_token`` is set, unless the
-        ids already start with BOS; nothing else is added (no post-processor, no EOS).
+        With ``parse_special`` (the default, as llama.cpp's ``parse_special=true`` and HF)
+        special-token strings inside ``text`` (e.g. "<|eot_id|>") become their control
+        ids; with ``parse_special=False`` they are encoded as the plain text they are
+        (what perplexity, calibration text and untrusted raw prompts need; llama.cpp's
+        perplexity does the same). ``add_special=True`` prepends BOS when
+        ``add_bos_token`` is set, unless the ids already start with BOS; nothing else is
+        added (no post-processor, no EOS).
 
         Raises:
             TypeError: ``text`` is not a str.
+            InvalidTextError: ``text`` holds a lone surrogate (invalid UTF-8).
         """
-        if not isinstance(text, str):
-            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        check_text(text, "the text to encode")
+        with self._encode_lock:
+            enc = self._backend.encode(text, add_special_tokens=False)
+            if not parse_special and self._special_ids.intersection(enc.ids):
+                before = self._backend.encode_special_tokens
+                self._backend.encode_special_tokens = True
+                try:
+                    enc = self._backend.encode(text, add_special_tokens=False)
+                finally:
+                    self._backend.encode_special_tokens = before
+        ids = enc.ids
         if add_special and self._add_bos and (not ids or ids[0] != self._bos_id):
             ids.insert(0, self._bos_id)
         return ids
+
+    def special_token_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of the special tokens ``encode(text)`` would
+        make, found by the tokenizer's own added-token matcher."""
+        check_text(text)
+        with self._encode_lock:
+            enc = self._backend.encode(text, add_special_tokens=False)
+        return [off for i, off in zip(enc.ids, enc.offsets) if i in self._special_ids]
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of ``ids`` (the tokenizer.json decoder chain; no clean-up of spaces).
@@ -334,6 +382,21 @@ class Tokenizer:
                 f"no chat template named {name!r}; this model has {sorted(self._templates)}")
         return self._templates[name]
 
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                tools: Sequence[Mapping[str, Any]] | None, template_name: str | None,
+                render_limits: RenderLimits | None, template_kwargs: dict
+                ) -> tuple[str, dict[str, str]]:
+        """(rendered text with placeholders, {placeholder: special-token text})."""
+        template = self._template(template_name, tools)
+        messages, tools, placeholders = escape_special_strings(
+            messages, tools, template, self.special_token_spans, self._special_initials)
+        variables = {**self._template_vars, **template_kwargs}
+        text = render_chat_template(
+            template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos_token, eos_token=self._eos_token, tools=tools,
+            render_limits=render_limits, **variables)
+        return text, placeholders
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -341,6 +404,7 @@ class Tokenizer:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_name: str | None = None,
+        render_limits: RenderLimits | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Prompt text of ``messages`` rendered with the model's chat template.
@@ -350,35 +414,70 @@ class Tokenizer:
             add_generation_prompt: end with the header that opens the assistant turn.
             tools: tool JSON schemas; selects the "tool_use" template when one exists.
             template_name: pick one of ``chat_template_names`` explicitly.
+            render_limits: time and size bounds of the render (default ``RenderLimits()``).
             **template_kwargs: extra template variables (``enable_thinking``, ...).
 
         Raises:
             MissingChatTemplateError: the model has no (such) template.
-            ChatTemplateError: the template raised or failed (e.g. roles not alternating).
+            ChatTemplateError: the template raised or failed (e.g. roles not alternating),
+                or reached a render limit (``ChatTemplateTimeoutError``,
+                ``ChatTemplateTooLargeError``).
+            InvalidTextError: a message string holds a lone surrogate.
         """
-        variables = {**self._template_vars, **template_kwargs}
-        return render_chat_template(
-            self._template(template_name, tools), messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token, eos_token=self._eos_token, tools=tools, **variables)
+        text, placeholders = self._render(messages, add_generation_prompt, tools, template_name,
+                                          render_limits, template_kwargs)
+        for ph, special in placeholders.items():
+            text = text.replace(ph, special)
+        return text
 
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
-        **kwargs: Any,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_name: str | None = None,
+        render_limits: RenderLimits | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Prompt ids of ``messages``: ``encode(render_chat(...), add_special=False)``.
+        """Prompt ids of ``messages``: the ``render_chat`` text, encoded with the template's
+        markup as control tokens and the message strings as plain text.
 
-        Equal to HF ``apply_chat_template(messages, tokenize=True, ...)``: the template
-        writes BOS itself where the model wants it, so no BOS is added here (case C07).
+        Equal to HF ``apply_chat_template(messages, tokenize=True, ...)`` for messages
+        without special-token strings: the template writes BOS itself where the model
+        wants it, so no BOS is added here (case C07). A special-token string inside a
+        message (a forged "<|im_start|>system") is encoded as text, never as a control
+        token (see the module docstring); the ids decode to ``render_chat``'s text.
         Keyword arguments are those of ``render_chat``.
 
         Raises:
-            MissingChatTemplateError, ChatTemplateError: as ``render_chat``.
+            MissingChatTemplateError, ChatTemplateError, InvalidTextError: as ``render_chat``.
+            ChatTemplateError: a message holds a special token this tokenizer matches only
+                after normalization, which cannot be kept as text.
         """
-        text = self.render_chat(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special=False)
+        text, placeholders = self._render(messages, add_generation_prompt, tools, template_name,
+                                          render_limits, template_kwargs)
+        if not placeholders:
+            return self.encode(text, add_special=False)
+        check_text(text, "the rendered chat prompt")
+        backend = self._backend
+        with self._encode_lock:
+            markup = [i for i in backend.encode(text, add_special_tokens=False).ids
+                      if i in self._special_ids]
+            normalizer = backend.normalizer
+            steps = [normalizers.Replace(ph, special) for ph, special in placeholders.items()]
+            backend.normalizer = normalizers.Sequence(
+                steps + ([normalizer] if normalizer is not None else []))
+            try:
+                ids = backend.encode(text, add_special_tokens=False).ids
+            finally:
+                backend.normalizer = normalizer
+        if [i for i in ids if i in self._special_ids] != markup:
+            raise ChatTemplateError(
+                "a chat message holds a special token that this tokenizer matches after "
+                "normalization, so it cannot be encoded as plain text; remove it from the "
+                "message")
+        return ids
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self._bos_id}, "

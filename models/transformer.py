@@ -11,12 +11,15 @@ References: Llama (Touvron et al., 2023) and HF ``modeling_llama.py`` / ``modeli
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, PreNormBlock
+from ..backends.base import Backend, DecodePlan, DecoderBlock, DecodeStep
+from .block import block_forward
 from .config import ModelConfig
 from .families import LINEAR_KEYS, layer_tensor_names  # noqa: F401 (re-exported)
 from .rope import rope_switch, rope_tables
@@ -34,41 +37,32 @@ def upload_layer(backend: Backend, tensors: Mapping[str, Any], i: int) -> dict[s
 
 def decoder_layer(be: Backend, cfg: ModelConfig, lw: dict[str, Any], x: Any, positions: np.ndarray,
                   rope: tuple[Any, Any], cache: Any, cache_layer: int, layer: int,
-                  capture: dict[str, Any] | None = None) -> Any:
-    """One decoder block: x[T, D] -> x[T, D], appending this layer's K/V to the cache.
-
-    Args:
-        be: the backend executing the ops.
-        cfg: model config (switches select the architecture's variant).
-        lw: short name -> uploaded tensor for this layer (see
-            :data:`~edgeinfer.models.families.LAYER_TENSORS`).
-        x: residual stream [T, D] float32 (backend handle).
-        positions: int32 [T] absolute positions (start_pos .. start_pos + T - 1).
-        rope: (cos, sin) tables for this layer's RoPE base, [max_pos, rotary_dim/2].
-        cache: KV cache object from ``be.new_kv_cache``; written at ``positions``.
-        cache_layer: index of this layer inside ``cache``.
-        layer: index of this layer in the model (selects window / RoPE base).
-        capture: if given, filled with the *input* of each linear group
-            ("q_proj" (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up),
-            "down_proj"); used by the AWQ/GPTQ calibration in ``edgeinfer.quant``.
-    """
-    blk = prenorm_block(cfg, lw, rope, layer)
-    if capture is None:  # one backend op (fused where the backend can)
-        return be.decoder_block(x, blk, positions, cache, cache_layer)
-    return be.composed_block(x, blk, positions, cache, cache_layer, capture)
+                  capture: dict[str, Any] | None = None, capture_only: bool = False) -> Any:
+    """Layer ``layer`` of a model from its uploaded tensors ``lw`` (short names, see
+    :data:`~edgeinfer.models.families.LAYER_TENSORS`) and RoPE tables ``rope`` = (cos,
+    sin): x [T, D] -> [T, D], appending K/V at ``positions`` of layer ``cache_layer`` of
+    ``cache``; ``capture`` as :func:`.block.block_forward` (calibration runs one layer
+    at a time; ``capture_only`` skips the down projection and returns None)."""
+    blk = decoder_block(be, cfg, lw, rope, layer)
+    return block_forward(be, blk, x, positions, cache, cache_layer, capture, capture_only)
 
 
-def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
-                  layer: int) -> PreNormBlock:
-    """Layer ``layer``'s tensors and switches as a :class:`PreNormBlock` (QK-norm and
+def decoder_block(be: Backend, cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
+                  layer: int) -> DecoderBlock:
+    """Layer ``layer``'s tensors and switches as a :class:`DecoderBlock` (QK-norm and
     sandwich norms as its optional norms; with sandwich norms the pre-FFN norm is the
-    norm before the MLP)."""
+    norm before the MLP). q/k/v and gate/up become :class:`LinearGroup` of ``be``, whose
+    handles replace the members' in ``lw``."""
     sandwich = cfg.sandwich_norms
-    return PreNormBlock(
-        lw["input_layernorm"], [lw["q_proj"], lw["k_proj"], lw["v_proj"]],
-        [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")], rope[0], rope[1],
-        lw["o_proj"], lw["pre_feedforward_layernorm"] if sandwich
-        else lw["post_attention_layernorm"], lw["gate_proj"], lw["up_proj"], lw["down_proj"],
+    qkv = be.group_linears([lw["q_proj"], lw["k_proj"], lw["v_proj"]],
+                           [lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")])
+    gate_up = be.group_linears([lw["gate_proj"], lw["up_proj"]], [None, None])
+    lw["q_proj"], lw["k_proj"], lw["v_proj"] = qkv.weights
+    lw["gate_proj"], lw["up_proj"] = gate_up.weights
+    return DecoderBlock(
+        lw["input_layernorm"], qkv, rope[0], rope[1], lw["o_proj"],
+        lw["pre_feedforward_layernorm"] if sandwich else lw["post_attention_layernorm"],
+        gate_up, lw["down_proj"],
         (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
         cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.attn_scale, cfg.layer_window(layer),
         cfg.attn_logit_softcapping, cfg.activation,
@@ -80,6 +74,9 @@ def prenorm_block(cfg: ModelConfig, lw: dict[str, Any], rope: tuple[Any, Any],
 
 class RopeSwitchError(ValueError):
     """A forward call would mix LongRoPE's short and long factors in one sequence."""
+
+
+_UNSET = object()
 
 
 class Transformer:
@@ -115,9 +112,9 @@ class Transformer:
             if theta not in self._rope:
                 cos, sin = rope_tables(cfg, self.max_positions, theta)
                 self._rope[theta] = (be.upload(cos), be.upload(sin))
-        # per layer: the block's tensors and switches (one backend op per layer)
-        self.blocks = [prenorm_block(cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
-                       for i, lw in enumerate(self.layers)]
+        # per layer: the block's tensors and switches
+        self.blocks = tuple(decoder_block(be, cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
+                            for i, lw in enumerate(self.layers))
         #: LongRoPE: sequences longer than this run ``long_blocks`` (the same blocks with
         #: the long-factor tables); None for every other RoPE (``long_blocks`` = ``blocks``).
         self.rope_switch = rope_switch(cfg)
@@ -126,8 +123,19 @@ class Transformer:
             long = {theta: tuple(be.upload(t) for t in
                                  rope_tables(cfg, self.max_positions, theta, long=True))
                     for theta in self._rope}
-            self.long_blocks = [prenorm_block(cfg, lw, long[cfg.layer_rope_theta(i)], i)
-                                for i, lw in enumerate(self.layers)]
+            self.long_blocks = tuple(
+                dataclasses.replace(blk, cos=long[cfg.layer_rope_theta(i)][0],
+                                    sin=long[cfg.layer_rope_theta(i)][1])
+                for i, blk in enumerate(self.blocks))
+        #: what a decode step computes, with the short and (LongRoPE) the long tables
+        self.decode_steps = {
+            long: DecodeStep(self.embed_tokens, cfg.embed_scale, blocks, self.norm,
+                             cfg.rms_norm_eps, cfg.norm_unit_offset, self.lm_head,
+                             cfg.final_logit_softcapping)
+            for long, blocks in ((False, self.blocks), (True, self.long_blocks))}
+        # the backend's decode plans per cache ({long_rope: plan or None}); weak keys, so
+        # a cache the caller drops takes its plans with it
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # positions p.. of a call are a view of this table: nothing allocated per step
         self._positions = np.arange(self.max_positions, dtype=np.int32)
         self._positions.flags.writeable = False
@@ -148,8 +156,21 @@ class Transformer:
         extra = {}
         if any(w is not None for w in windows):
             extra = {"window_sizes": windows, "max_chunk": max_chunk}
-        return self.backend.new_kv_cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                         max_tokens, dtype, **extra)
+        cache = self.backend.new_kv_cache(c.num_hidden_layers, c.num_key_value_heads,
+                                          c.head_dim, max_tokens, dtype, **extra)
+        self.plan(cache)
+        return cache
+
+    def plan(self, cache: Any, long_rope: bool = False) -> DecodePlan | None:
+        """The backend's decode plan for ``cache`` (compiled on first use, then kept while
+        the cache lives; ``long_rope``: with LongRoPE's long tables), or None when decode
+        steps compose the single ops."""
+        plans = self._plans.get(cache)
+        if plans is None:
+            plans = self._plans[cache] = {}
+        if long_rope not in plans:
+            plans[long_rope] = self.backend.compile_decode(self.decode_steps[long_rope], cache)
+        return plans[long_rope]
 
     def forward(self, ids: np.ndarray, cache: Any, all_logits: bool = False,
                 out: np.ndarray | None = None, long_rope: bool | None = None) -> np.ndarray:
@@ -182,8 +203,7 @@ class Transformer:
             raise ValueError(f"positions up to {start + t} exceed the model's table of "
                              f"{self.max_positions}")
         positions = self._positions[start:start + t]
-        be, cfg = self.backend, self.cfg
-        blocks = self.blocks
+        blocks, long = self.blocks, False
         if self.rope_switch is not None:
             if long_rope is None:
                 long_rope = start + t > self.rope_switch
@@ -193,13 +213,26 @@ class Transformer:
                         f"{self.rope_switch} tokens over a prefix computed with the short "
                         f"factors; re-run the whole sequence from position 0")
             if long_rope:
-                blocks = self.long_blocks
-        x = be.embed_step(self.embed_tokens, ids, cfg.embed_scale)
+                blocks, long = self.long_blocks, True
+        if t == 1:
+            plans = self._plans.get(cache)
+            plan = plans.get(long, _UNSET) if plans is not None else _UNSET
+            if plan is _UNSET:
+                plan = self.plan(cache, long)
+            if plan is not None:
+                y = plan.run(ids, positions, cache, None if all_logits else out)
+                cache.length = start + 1
+                return y
+        be, cfg = self.backend, self.cfg
+        x = be.embed(self.embed_tokens, ids, cfg.embed_scale)
         for i, blk in enumerate(blocks):
-            x = be.decoder_block(x, blk, positions, cache, i)
+            x = block_forward(be, blk, x, positions, cache, i)
         cache.length = start + t
-        if all_logits:
-            x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
-            return be.logits(x, self.lm_head, cfg.final_logit_softcapping)
-        return be.norm_logits(x, self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset,
-                              self.lm_head, cfg.final_logit_softcapping, out)
+        if not all_logits:  # only the last position's logits
+            x = be.select_rows(x, slice(t - 1, t))
+        y = be.logits(x, self.lm_head, cfg.final_logit_softcapping,
+                      norm=(self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset))
+        if out is None or all_logits:
+            return y
+        out[...] = y
+        return out

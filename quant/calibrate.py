@@ -1,7 +1,8 @@
 """Calibration data and the layer-by-layer quantization driver.
 
 Calibration text:
-  * ``calib_path`` (plain text): tokenized once (no special tokens) and cut into
+  * ``calib_path`` (plain text): tokenized once (no special tokens added; special-token
+    strings in it, such as WikiText's "<unk>", are encoded as text) and cut into
     ``n_seq`` windows of ``seq_len`` tokens at seeded random offsets (GPTQ's recipe); with
     ``add_bos_token`` the first token of each window is replaced by BOS, like the model sees
     text at inference;
@@ -42,6 +43,7 @@ from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
+from .mse import quantize_mse
 from .rtn import effective_group, quantize_rtn
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,9 @@ def calibration_ids(source: ModelSource, calib_path: str | None = None, n_seq: i
         n_seq, seq_len = n_seq or 32, seq_len or 512
         with open(calib_path, encoding="utf-8") as f:
             text = f.read()
-        toks = np.asarray(_tokenizer(source).encode(text, add_special_tokens=False).ids, np.int32)
+        tok = _tokenizer(source)
+        tok.encode_special_tokens = True  # "<unk>" in the text is text, as in perplexity
+        toks = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)
         if len(toks) < 16:
             raise ValueError(f"calibration file {calib_path} has only {len(toks)} tokens")
         seq_len = min(seq_len, len(toks))
@@ -101,6 +105,21 @@ def calibration_ids(source: ModelSource, calib_path: str | None = None, n_seq: i
     return _self_generated(source, n_seq, seq_len, rng, bos, progress), (
         f"data-free: {n_seq} sequences x {seq_len} tokens sampled by the model itself from BOS "
         f"(temperature 1, seed {seed})")
+
+
+def random_ids(source: ModelSource, n_seq: int = 2, seq_len: int = 256,
+               seed: int = 0) -> tuple[np.ndarray, str]:
+    """Data-free input statistics: ``n_seq`` windows of ``seq_len`` uniformly random token
+    ids (seeded; BOS first where the model adds one) and their provenance line. One
+    prefill per window (no generation), for per-channel activation scales only.
+    """
+    cfg = source.config
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (n_seq, seq_len)).astype(np.int32)
+    bos = _bos_id(source)
+    if source.add_bos_token and bos is not None:
+        ids[:, 0] = bos
+    return ids, (f"data-free: {n_seq} x {seq_len} uniformly random token ids (seed {seed}) "
+                 f"for per-channel input scales")
 
 
 def _self_generated(source: ModelSource, n_seq: int, seq_len: int, rng: np.random.Generator,
@@ -166,6 +185,21 @@ class CalibrationBackend(ReferenceBackend):
     products and softmax as the reference einsum, BLAS-fast; nothing is kept in the cache).
     Any other call is the reference's."""
 
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._masks: dict = {}
+
+    def _mask(self, t: int, window: int | None) -> np.ndarray:
+        """Additive causal (and sliding-window) mask [t, t]: 0 where visible, -inf elsewhere."""
+        masks = self._masks
+        if (t, window) not in masks:
+            pos = np.arange(t)
+            visible = pos[None, :] <= pos[:, None]
+            if window is not None:
+                visible &= pos[None, :] > pos[:, None] - window
+            masks[(t, window)] = np.where(visible, np.float32(0), np.float32(-np.inf))
+        return masks[(t, window)]
+
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:
             return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
@@ -178,11 +212,7 @@ class CalibrationBackend(ReferenceBackend):
         scores *= np.float32(scale)
         if softcap:
             scores = np.tanh(scores / softcap) * softcap
-        pos = np.arange(t)
-        visible = pos[None, :] <= pos[:, None]
-        if window is not None:
-            visible &= pos[None, :] > pos[:, None] - window
-        scores[:, :, ~visible] = -np.inf
+        scores += self._mask(t, window)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
@@ -191,18 +221,24 @@ class CalibrationBackend(ReferenceBackend):
                                     ).reshape(t, hq, hd).astype(np.float32)
 
 
-def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope, stats=None) -> np.ndarray:
-    """Run layer ``i`` on every calibration sequence x [N, L, D]; feed captures to ``stats``."""
+def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
+               stats=None) -> np.ndarray | None:
+    """Run layer ``i`` on every calibration sequence x [N, L, D] and return its output; with
+    ``stats``, only feed the captured linear inputs to ``stats(j, capture)`` (the layer's
+    last projection is skipped) and return None."""
     names = layer_tensor_names(i)
     lw = upload_layer(be, {names[k]: v for k, v in tensors_short.items()}, i)
     n, L, _ = x.shape
     pos = np.arange(L, dtype=np.int32)
-    y = np.empty_like(x)
+    y = np.empty_like(x) if stats is None else None
     for j in range(n):
         cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)
-        cap = {} if stats is not None else None
-        y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap)
-        if stats is not None:
+        if stats is None:
+            y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i)
+        else:
+            cap: dict = {}
+            decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap,
+                          capture_only=True)
             stats(j, cap)
     return y
 
@@ -216,7 +252,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Args:
         source: the float model (lazy tensors welcome).
         ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for "rtn").
-        method: "rtn", "awq" or "gptq".
+        method: "rtn", "awq", "gptq" or "mse" (:mod:`.mse`, the columns weighted by the
+            mean squared input over ``ids``).
         bits, group_size, symmetric: the linear weights' format.
         act_order: GPTQ column order (see :mod:`.gptq`).
         n_search: AWQ token sample size for the scale/clip searches.
@@ -229,8 +266,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Raises:
         ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
     """
-    if method not in ("rtn", "awq", "gptq"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
+    if method not in ("rtn", "awq", "gptq", "mse"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
     cfg = source.config
     out: dict[str, Any] = {}
     info: dict = {"awq_alpha": {}}
@@ -264,6 +301,13 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                 def stats(j, cap, hs=hs):
                     for k, h in hs.items():
                         h.add(cap[k])
+            elif method == "mse":
+                sq = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
+
+                def stats(j, cap, sq=sq):
+                    for k in CAPTURE_GROUPS:
+                        a = np.asarray(cap[k], np.float32).reshape(-1, sq[k].shape[0])
+                        sq[k] += np.einsum("ij,ij->j", a, a, dtype=np.float64)
             else:
                 sums = {k: np.zeros(lw[k].shape[1]) for k in CAPTURE_GROUPS}
                 samples: dict[str, list] = {k: [] for k in CAPTURE_GROUPS}
@@ -285,6 +329,13 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                     for m, part in zip(members, split_rows(qt, [lw[m].shape[0] for m in members])):
                         q[m] = part
                 del hs
+            elif method == "mse":  # each linear on its own, columns weighted by mean x²
+                q = dict(lw)
+                for cap_key, members in CAPTURE_GROUPS.items():
+                    for m in members:
+                        q[m] = quantize_mse(lw[m], effective_group(lw[m].shape[1], group_size),
+                                            symmetric, importance=sq[cap_key] / n_tok,
+                                            name=names[m])
             else:
                 inputs = {k: (np.concatenate(samples[k]), sums[k] / n_tok) for k in CAPTURE_GROUPS}
                 q, alphas = awq_quantize_layer(cfg, lw, inputs, bits=bits, group_size=group_size,

@@ -29,7 +29,7 @@ from ..container import write_eif
 from ..errors import ModelFormatError
 from ..safe_write import check_output
 from ..source import ModelSource
-from .calibrate import calibration_ids, check_finite, quantize_layers
+from .calibrate import calibration_ids, check_finite, quantize_layers, random_ids
 from .rtn import quantize_rtn
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
-        method: "awq" (default), "gptq" or "rtn" (no calibration).
+        method: "awq" (default), "gptq", "rtn" (no calibration) or "mse" (:mod:`.mse`;
+            without ``calib_path`` its input scales come from random token ids, no data).
         bits: linear weight bits (4).
         group_size: 32 / 64 / 128 (default) or -1 per-channel; an input width it does not
             divide gets the largest dividing multiple of 32 below it, else is zero-padded
@@ -125,8 +126,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     """
     if bits != 4:
         raise ValueError(f"only 4-bit linear weights are supported by the converter, got {bits}")
-    if method not in ("rtn", "awq", "gptq"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, awq or gptq")
+    if method not in ("rtn", "awq", "gptq", "mse"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
     t0 = time.perf_counter()
     source = _open(src)
     inputs = [str(source.path), calib_path]
@@ -137,7 +138,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             f"{source.path}: tie_word_embeddings is false but lm_head.weight is missing; fix the "
             f"config (set tie_word_embeddings: true if the head is the embedding) or the checkpoint")
     ids, calib_desc = None, "none (rtn needs no calibration)"
-    if method != "rtn":
+    if method == "mse" and calib_path is None:
+        ids, calib_desc = random_ids(source, n_calib or 2, calib_len or 256, seed)
+    elif method != "rtn":
         ids, calib_desc = calibration_ids(source, calib_path, n_calib, calib_len, seed, progress)
 
     bar = None

@@ -9,10 +9,9 @@ implementation's details (``gptq.py`` of IST-DASLab/gptq and AutoGPTQ):
   and a zero weight;
 * dampening ``λ = percdamp · mean(diag H)`` added to the diagonal (1% by default; raised
   ×10 and retried if the Cholesky factorization still fails);
-* ``U = chol(H⁻¹)ᵀ`` (upper; computed as a reversed Cholesky's triangular inverse, see
-  :func:`_inverse_cholesky_upper`), columns processed in blocks of ``blocksize`` (128) with the
-  lazy batch update of §4 ("Lazy Batch-Updates") and the per-column update
-  ``W[:, j:] -= (w_j - q_j) / U_jj · U_j,j:``;
+* ``U = chol(H⁻¹)ᵀ`` (upper), columns processed in blocks of 32 with the lazy batch
+  update of §4 ("Lazy Batch-Updates") and the per-column update
+  ``W[:, j:] -= (w_j - q_j) / U_jj · U_j,j:`` (done without ``U``: :func:`hessian_factor`);
 * group parameters (scale/zero over ``group_size`` columns) computed when the first column
   of a group is reached, from the *already error-compensated* weights (as the reference
   does).
@@ -28,78 +27,145 @@ are clamped to the edge code). This is the rule tested in ``tests/test_awq_gptq.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..backends.quantized import QuantizedTensor
-from .rtn import assemble, group_params, quantize_codes, resolve_group, storage_scales
+from .rtn import assemble, group_params, resolve_group, storage_scales
 
 
 class Hessian:
     """Running ``H = 2/n · Σ xᵀx`` over calibration rows (float64 ``[in, in]``).
 
     Call :meth:`add` with each batch of layer inputs ``x [..., in]``; ``n`` counts rows.
+    Rows are buffered (copied) and multiplied ``batch_rows`` at a time: each product is
+    float32 (as the reference implementation; a symmetric rank-k update, numpy's
+    ``x.T @ x``), summed in float64; :attr:`H` scales the sum once.
     """
 
-    def __init__(self, in_features: int):
-        self.H = np.zeros((in_features, in_features), np.float64)
+    def __init__(self, in_features: int, batch_rows: int = 1024):
+        self._sum = np.zeros((in_features, in_features), np.float64)
+        self._pending: list[np.ndarray] = []
+        self._rows = 0
+        self.batch_rows = batch_rows
         self.n = 0
 
     def add(self, x: np.ndarray) -> None:
         """Accumulate inputs ``x [..., in]`` (any float dtype)."""
-        x = np.asarray(x, np.float32).reshape(-1, self.H.shape[0])
-        m = x.shape[0]
-        if m == 0:
+        x = np.array(x, np.float32).reshape(-1, self._sum.shape[0])
+        if x.shape[0] == 0:
             return
-        self.H *= self.n / (self.n + m)
-        self.n += m
-        # the batch product in float32 (as the reference implementation), summed in float64
-        self.H += (2.0 / self.n) * (x.T @ x).astype(np.float64)
+        self.n += x.shape[0]
+        self._pending.append(x)
+        self._rows += x.shape[0]
+        if self._rows >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            x = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+            self._sum += x.T @ x
+            self._pending, self._rows = [], 0
+
+    @property
+    def H(self) -> np.ndarray:
+        """``2/n · Σ xᵀx`` (float64 ``[in, in]``; zeros before any row)."""
+        self._flush()
+        return self._sum * (2.0 / self.n) if self.n else np.zeros_like(self._sum)
 
 
-def _tril_inverse(L: np.ndarray) -> np.ndarray:
-    """Inverse of a lower-triangular matrix by blocked recursion (GEMMs; ~n³/3 flops):
-    ``[[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹ B A⁻¹, C⁻¹]]``."""
-    n = L.shape[0]
-    if n <= 128:
-        return np.linalg.inv(L)
+def _cholesky_with_inverse(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(L, L⁻¹)`` with ``L Lᵀ = A`` (lower), by :func:`_cholesky` plus the inverse's
+    off-diagonal block ``(L⁻¹)₂₁ = −L₂₂⁻¹ L₂₁ L₁₁⁻¹``."""
+    n = A.shape[0]
+    if n <= 192:
+        L = np.linalg.cholesky(A)
+        return L, np.linalg.inv(L)
     h = n // 2
-    ai, ci = _tril_inverse(L[:h, :h]), _tril_inverse(L[h:, h:])
-    out = np.zeros_like(L)
-    out[:h, :h], out[h:, h:] = ai, ci
-    out[h:, :h] = -(ci @ (L[h:, :h] @ ai))
-    return out
+    L11, I11 = _cholesky_with_inverse(A[:h, :h])
+    L21 = A[h:, :h] @ I11.T
+    L22, I22 = _cholesky_with_inverse(A[h:, h:] - L21 @ L21.T)
+    L, Li = np.zeros_like(A), np.zeros_like(A)
+    L[:h, :h], L[h:, :h], L[h:, h:] = L11, L21, L22
+    Li[:h, :h], Li[h:, h:] = I11, I22
+    Li[h:, :h] = -(I22 @ (L21 @ I11))
+    return L, Li
 
 
-def _inverse_cholesky_upper(H: np.ndarray, percdamp: float) -> np.ndarray:
-    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``Uᵀ U = H⁻¹``), retrying with larger
-    dampening if needed.
+def _cholesky(A: np.ndarray) -> np.ndarray:
+    """Lower ``L`` with ``L Lᵀ = A`` by blocked recursion, all but the small diagonal blocks
+    in GEMMs (numpy's LAPACK Cholesky runs at a fraction of GEMM speed):
+    ``L₁₁ = chol(A₁₁)``, ``L₂₁ = A₂₁ L₁₁⁻ᵀ``, ``L₂₂ = chol(A₂₂ − L₂₁ L₂₁ᵀ)``.
 
-    Without forming ``H⁻¹``: with ``P`` the reversal permutation and ``P H P = M Mᵀ``
-    (Cholesky), ``H⁻¹ = (P M⁻ᵀ P)(P M⁻¹ P)`` and ``P M⁻¹ P`` is upper triangular with a
-    positive diagonal, so ``U = P M⁻¹ P``: one Cholesky and one triangular inverse
-    (~2n³/3 flops instead of ~3n³ for inverse-then-Cholesky), in float32 as the reference
-    implementation (torch ``cholesky_inverse`` / ``cholesky`` on float32).
+    Raises:
+        numpy.linalg.LinAlgError: ``A`` is not positive definite.
+    """
+    n = A.shape[0]
+    if n <= 192:
+        return np.linalg.cholesky(A)
+    h = n // 2
+    L11, I11 = _cholesky_with_inverse(A[:h, :h])
+    L21 = A[h:, :h] @ I11.T
+    L = np.zeros_like(A)
+    L[:h, :h], L[h:, :h] = L11, L21
+    L[h:, h:] = _cholesky(A[h:, h:] - L21 @ L21.T)
+    return L
+
+
+def hessian_factor(H: np.ndarray, perm: np.ndarray, percdamp: float) -> np.ndarray:
+    """GPTQ's update factor for columns in order ``perm``: ``R̃ = R · diag(R)⁻¹`` (float32,
+    upper, unit diagonal) where ``R Rᵀ = P(H + λI)Pᵀ`` with ``R`` upper, ``P`` the column
+    permutation and ``λ = percdamp · mean(diag H)`` (raised ×10 and retried if the
+    factorization fails).
+
+    ``R`` is the reversed Cholesky factor (``J R J`` is lower for the reversal ``J``), and
+    ``R⁻¹ = U`` is the upper Cholesky factor of ``H⁻¹`` that GPTQ's reference implementation
+    forms (``Uᵀ U = H⁻¹``). With ``E = (W − Q) U⁻¹`` its per-column updates
+    ``w'_k = w_k − Σ_{i<k} E_i U_ik`` are ``w'_k = w_k + Σ_{i<k} (w_i − q_i) R̃_ik``
+    (``w`` the original columns, ``q`` the dequantized ones), so no inverse is needed: one
+    Cholesky, ~n³/3 flops.
+
+    Raises:
+        numpy.linalg.LinAlgError: not positive definite even with dampening.
     """
     damp = percdamp * float(np.mean(np.diag(H)))
     damp = damp if damp > 0 else 1e-8
     n = H.shape[0]
+    rev = perm[::-1]
+    Hr = np.asarray(H, np.float32)[np.ix_(rev, rev)]  # J P H Pᵀ J
+    diag = Hr[np.diag_indices(n)].copy()
     for _ in range(6):
+        Hr[np.diag_indices(n)] = diag + np.float32(damp)
         try:
-            Hd = (H + damp * np.eye(n)).astype(np.float32)  # float32, as the reference
-            M = np.linalg.cholesky(Hd[::-1, ::-1])
-            U = _tril_inverse(M)[::-1, ::-1].astype(np.float64)
-            if not np.isfinite(U).all():
-                raise np.linalg.LinAlgError("non-finite inverse factor")
-            return np.ascontiguousarray(U)
+            R = _cholesky(Hr)[::-1, ::-1]
+            if not np.isfinite(R).all():
+                raise np.linalg.LinAlgError("non-finite factor")
+            return np.ascontiguousarray(R / np.diag(R)[None, :])
         except np.linalg.LinAlgError:
             damp *= 10.0
     raise np.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with dampening")
 
 
+def _inner_block(g: int, act_order: bool) -> int:
+    """Width of the column blocks (32): with dynamic groups it must divide ``g`` so every
+    group starts a block (its columns are then current, see :func:`gptq_quantize`)."""
+    if act_order or g % 32 == 0:
+        return 32
+    return g if g < 32 else math.gcd(g, 32)
+
+
 def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, *, act_order: bool = False, percdamp: float = 0.01,
-                  blocksize: int = 128, name: str = "") -> QuantizedTensor:
+                  name: str = "") -> QuantizedTensor:
     """Quantize ``w [out, in]`` with GPTQ given the input Hessian ``H [in, in]``.
+
+    Columns are processed in blocks of 32: inside a block, each column gets the updates of
+    the block's earlier columns (one matrix-vector product, :func:`hessian_factor`'s form)
+    before it is rounded; after the block, one GEMM updates every later column (the
+    paper's lazy batch update, §4). The result equals the column-by-column algorithm up to
+    float32 rounding; weights, factor and updates are float32 (as the reference
+    implementation). Work is done on ``Wᵀ`` so a column is a contiguous row.
 
     Args:
         w: float weight ``[out, in]`` (rows are independent, so several linears that share
@@ -109,7 +175,6 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
             (``in % group_size != 0`` is zero-padded the same way).
         act_order: process columns by decreasing ``diag(H)`` with static groups (module doc).
         percdamp: dampening as a fraction of ``mean(diag H)``.
-        blocksize: lazy-batch block width (rounded up to a multiple of the group size).
         name: tensor name for messages.
 
     Returns:
@@ -118,7 +183,7 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     Raises:
         ValueError: shape mismatch or non-finite input.
     """
-    W = np.array(w, np.float64)
+    W = np.array(w, np.float32)
     out, n_in = W.shape
     if H.shape != (n_in, n_in):
         raise ValueError(f"{name}: Hessian {H.shape} does not match weight {W.shape}")
@@ -128,61 +193,67 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         raise ValueError("GPTQ here quantizes linear layers to 4 bits")
     g, in_pad = resolve_group(n_in, group_size, bits)
     n_groups = in_pad // g
-    H = np.array(H, np.float64)
+    H = np.array(H, np.float32)
     dead = np.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
 
-    S = np.zeros((out, n_groups))  # scales in storage precision (float64 copy)
-    Z = np.zeros((out, n_groups))
-    have = np.zeros(n_groups, bool)
-
-    def set_group(gi: int, cols: np.ndarray) -> None:
-        s, z = group_params(cols, bits, symmetric)
-        S[:, gi] = s[:, 0]  # already storage-rounded
-        Z[:, gi] = z[:, 0]
-        have[gi] = True
-
+    # group parameters, transposed [n_groups, out]: storage-rounded values (exact in float32)
+    S = np.zeros((n_groups, out), np.float32)
+    Z = np.zeros((n_groups, out), np.float32)
     if act_order:
         # static groups: parameters from the original contiguous groups, before any update
         Wp = np.zeros((out, in_pad))
         Wp[:, :n_in] = W
         s, z = group_params(Wp.reshape(out, n_groups, g), bits, symmetric)
-        S[:], Z[:], have[:] = s, z, True
+        S[:], Z[:] = s.T, z.T
         perm = np.argsort(-np.diag(H), kind="stable")
     else:
         perm = np.arange(n_in)
-    invperm = np.argsort(perm)
-    W = W[:, perm]
-    H = H[np.ix_(perm, perm)]
-    U = _inverse_cholesky_upper(H, percdamp)
-    Q = np.zeros((out, n_in))  # codes in permuted order
-    bs = max(blocksize, g) // g * g
-
-    for i1 in range(0, n_in, bs):
-        i2 = min(i1 + bs, n_in)
-        W1 = W[:, i1:i2].copy()
-        Err1 = np.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+    W0 = np.ascontiguousarray(W[:, perm].T)  # [n_in, out]: column j of W is row j here
+    del W
+    Rt = hessian_factor(H, perm, percdamp)
+    del H
+    Wt = W0.copy()  # the columns with the updates of every finished block
+    group_of = perm // g
+    Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
+    b = _inner_block(g, act_order)
+    D = np.empty((b, out), np.float32)  # w - deq of the block's columns (original w)
+    q = np.empty(out, np.float32)
+    d = np.empty(out, np.float32)
+    for i1 in range(0, n_in, b):
+        i2 = min(i1 + b, n_in)
+        if not act_order and i1 % g == 0:
+            # dynamic groups: parameters from the group's columns as the column-by-column
+            # algorithm has them here, w_k − Σ_{j<i1} E_j U_jk. Wt holds w_k + Σ_{i<i1} D_i R̃_ik
+            # instead (the same once every i < k is in); the two differ by the inverse of the
+            # group's diagonal block of R̃ (U = R⁻¹ is triangular): one g x g inverse converts
+            i3 = min(i1 + g, n_in)
+            cur = W0[i1:i3] + np.linalg.inv(Rt[i1:i3, i1:i3]).T @ (Wt[i1:i3] - W0[i1:i3])
+            s, z = group_params(cur.T.astype(np.float64)[:, None, :], bits, symmetric)
+            S[i1 // g], Z[i1 // g] = s[:, 0], z[:, 0]
+        Rb = Rt[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = i1 + i
-            gi = perm[col] // g
-            if not have[gi]:  # dynamic groups: the first column of a group is reached;
-                # bs is a multiple of g, so the whole group lies in this block (W1 is current)
-                set_group(gi, W1[:, i:i + g][:, None, :])
-            wcol = W1[:, i]
-            q = quantize_codes(wcol, S[:, gi], Z[:, gi], bits)
-            Q[:, col] = q
-            deq = (q - Z[:, gi]) * S[:, gi]
-            err = (wcol - deq) / U1[i, i]
-            W1[:, i:] -= np.outer(err, U1[i, i:])
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+            gi = group_of[i1 + i]
+            s, z = S[gi], Z[gi]
+            # the column after this block's earlier columns: w'_k = w_k + Σ_i D_i R̃_ik
+            wcol = Wt[i1 + i] + Rb[:i, i] @ D[:i] if i else Wt[i1]
+            np.divide(wcol, s, out=q)
+            np.rint(q, out=q)
+            q += z
+            np.clip(q, 0.0, 15.0, out=q)
+            Qt[i1 + i] = q
+            np.subtract(q, z, out=d)  # d = w - (q - z) s, with the original w
+            d *= s
+            np.subtract(W0[i1 + i], d, out=D[i])
+        if i2 < n_in:
+            Wt[i2:] += Rt[i1:i2, i2:].T @ D[:i2 - i1]
 
-    scales = storage_scales(S, name)  # S already holds storage-rounded values: exact
-    codes = np.empty((out, in_pad))
-    codes[:, :n_in] = Q[:, invperm]
+    S64, Z64 = S.T.astype(np.float64), Z.T.astype(np.float64)
+    scales = storage_scales(S64, name)  # S holds storage-rounded values: exact
+    codes = np.empty((out, in_pad), np.uint8)
+    codes[:, perm] = Qt.T
     if in_pad != n_in:
-        codes[:, n_in:] = np.repeat(Z, g, axis=1)[:, n_in:]
-    zeros = None if symmetric else Z
+        codes[:, n_in:] = np.repeat(Z64, g, axis=1)[:, n_in:]
+    zeros = None if symmetric else Z64
     return assemble(codes, scales, zeros, bits, g, n_in, "gptq")

@@ -11,7 +11,7 @@ from edgeinfer.models.rope import rope_tables
 from edgeinfer.models.transformer import decoder_layer, layer_tensor_names, upload_layer
 from edgeinfer.quant.awq import AWQ_SCALE_GROUPS, fold_scale, search_clip, search_scale
 from edgeinfer.quant.gptq import Hessian, gptq_quantize
-from edgeinfer.quant.rtn import quantize_rtn
+from edgeinfer.quant.rtn import group_params, quantize_rtn
 
 
 def _outlier_layer(seed=0, n=2048, n_in=256, n_out=128):
@@ -90,6 +90,62 @@ def test_gptq_dead_columns_padding_and_finite():
     assert _out_mse(x, w, d) < _out_mse(x, w, quantize_rtn(w, 4, 32).dequantize())
 
 
+def _textbook_gptq(w, H, g, act_order, percdamp=0.01):
+    """GPTQ column by column (Algorithm 1 without lazy batches), float64, for the oracle
+    test: dequantized weight [out, in]."""
+    W = np.array(w, np.float64)
+    out, n = W.shape
+    H = np.array(H, np.float64)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    n_pad = -(-n // g) * g
+
+    def params(cols):  # asymmetric, range including 0 (group_params' rule)
+        return group_params(cols[:, None, :], 4, False)
+
+    S, Z = np.zeros((out, n_pad // g)), np.zeros((out, n_pad // g))
+    perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(n)
+    if act_order:
+        for gi in range(n_pad // g):
+            s, z = params(W[:, gi * g:(gi + 1) * g])
+            S[:, gi], Z[:, gi] = s[:, 0], z[:, 0]
+    W, H = W[:, perm], H[np.ix_(perm, perm)]
+    H += percdamp * np.mean(np.diag(H)) * np.eye(n)
+    U = np.linalg.cholesky(np.linalg.inv(H)).T
+    D = np.zeros_like(W)
+    for j in range(n):
+        gi = perm[j] // g
+        if not act_order and j % g == 0:
+            s, z = params(W[:, j:j + g])
+            S[:, gi], Z[:, gi] = s[:, 0], z[:, 0]
+        q = np.clip(np.round(W[:, j] / S[:, gi]) + Z[:, gi], 0, 15)
+        D[:, j] = (q - Z[:, gi]) * S[:, gi]
+        err = (W[:, j] - D[:, j]) / U[j, j]
+        W[:, j:] -= np.outer(err, U[j, j:])
+    return D[:, np.argsort(perm)]
+
+
+@pytest.mark.parametrize("n_in,g,act_order", [(256, 64, False), (256, 64, True),
+                                              (100, 32, False), (192, 96, True),
+                                              (192, 96, False)])
+def test_gptq_matches_the_textbook_column_loop(n_in, g, act_order):
+    """The blocked float32 implementation is the column-by-column algorithm: the same codes
+    up to float rounding, the same output error."""
+    x, w = _outlier_layer(5, n_in=n_in, n_out=48)
+    h = Hessian(n_in)
+    h.add(x)
+    ref = _textbook_gptq(w, h.H, g, act_order)
+    qt = gptq_quantize(w, h.H, 4, g, act_order=act_order)
+    d = qt.dequantize()
+    same = np.isclose(d, ref, rtol=0, atol=1e-5 * np.abs(ref).max()).mean()
+    print(f"same codes {same:.4f}")
+    assert same > 0.99
+    e_ref, e = _out_mse(x, w, ref), _out_mse(x, w, d)
+    assert e == pytest.approx(e_ref, rel=0.02)
+    assert e < 0.6 * _out_mse(x, w, quantize_rtn(w, 4, g).dequantize())  # control: not RTN
+
+
 def _tiny_cfg(kind: str) -> ModelConfig:
     base = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
             "num_attention_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6}
@@ -133,9 +189,10 @@ def test_awq_fold_preserves_float_layer(kind):
 
 def test_fast_search_helpers_match_the_float64_paths():
     """The float32 search quantizer equals RTN's dequantization (up to float32 rounding) and
-    GPTQ's factor U (via a reversed Cholesky's triangular inverse) equals chol(H⁻¹)ᵀ."""
+    GPTQ's update factor is ``R / diag(R)`` with ``R = U⁻¹``, ``U = chol(H⁻¹)ᵀ`` (the
+    reference implementation's factor), in any column order."""
     from edgeinfer.quant.awq import fake_quantize32
-    from edgeinfer.quant.gptq import _inverse_cholesky_upper
+    from edgeinfer.quant.gptq import hessian_factor
     from edgeinfer.quant.rtn import fake_quantize
 
     rng = np.random.default_rng(3)
@@ -145,13 +202,15 @@ def test_fast_search_helpers_match_the_float64_paths():
         got = fake_quantize32(w, 4, 64, sym)
         assert got.shape == ref.shape
         assert np.mean(np.abs(got - ref) > 1e-4) < 0.002  # rare rounding ties may flip
-    x = rng.standard_normal((600, 300))
+    x = rng.standard_normal((600, 500)) * rng.uniform(0.1, 3, 500)
     H = 2 * x.T @ x / 600
-    U = _inverse_cholesky_upper(H, 0.01)
-    Hd = H + 0.01 * np.mean(np.diag(H)) * np.eye(300)
-    ref = np.linalg.cholesky(np.linalg.inv(Hd)).T
-    np.testing.assert_allclose(U, ref, atol=1e-4 * np.abs(ref).max())
-    assert np.allclose(U, np.triu(U))
+    for perm in (np.arange(500), rng.permutation(500)):
+        Rt = hessian_factor(H, perm, 0.01)
+        Hd = (H + 0.01 * np.mean(np.diag(H)) * np.eye(500))[np.ix_(perm, perm)]
+        R = np.linalg.inv(np.linalg.cholesky(np.linalg.inv(Hd)).T)
+        ref = R / np.diag(R)[None, :]
+        np.testing.assert_allclose(Rt, ref, atol=2e-4 * np.abs(ref).max())
+        assert np.array_equal(Rt, np.triu(Rt)) and np.allclose(np.diag(Rt), 1.0)
 
 
 def test_coarse_to_fine_grid_finds_the_full_grid_minimum():
@@ -278,3 +337,21 @@ def test_clip_gate_on_the_block_output():
     assert infos["gate"]["clip:gate_proj+up_proj"] == 0.0
     assert infos["gate"]["clip:down_proj"] == 1.0
     assert errs["clip"] > 3 * errs["noclip"] and errs["gate"] < 0.6 * errs["noclip"]
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+def test_calibration_attention_equals_the_reference(window, softcap):
+    """The calibration backend's batched attention (additive causal / sliding-window mask)
+    is the reference attention on a fresh cache (GQA: 6 query heads over 2 KV heads)."""
+    from edgeinfer.quant.calibrate import CalibrationBackend
+
+    rng = np.random.default_rng(6)
+    t, hq, hkv, hd = 12, 6, 2, 8
+    q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) * 3 for h in (hq, hkv, hkv))
+    ref_be = ReferenceBackend()
+    ref = ref_be.attention(q, k, v, ref_be.new_kv_cache(1, hkv, hd, t), 0, 0, 0.3, window, softcap)
+    got = CalibrationBackend().attention(q, k, v, None, 0, 0, 0.3, window, softcap)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    if window is not None:  # control: the window matters for these inputs
+        full = CalibrationBackend().attention(q, k, v, None, 0, 0, 0.3, None, softcap)
+        assert not np.allclose(full, ref, atol=1e-3)

@@ -57,6 +57,24 @@ def test_chat_piped_with_slash_commands(stories_dir, tmp_path):
     assert convo["messages"][1]["content"].startswith(GOLDEN[:20])
 
 
+def test_chat_piped_exits_nonzero_when_a_message_failed(stories_dir):
+    """A message that cannot be answered (invalid UTF-8; one longer than the context)
+    prints one error line, the chat goes on, and the exit status says it failed."""
+    script = b"Once upon a time\nBad \xff byte\n" + b"word " * 200 + b"\nOnce upon a time\n"
+    r = subprocess.run([sys.executable, "-m", "cli", "chat", "-m", str(stories_dir), "--backend",
+                        "reference", "--temperature", "0", "-n", "8", "--ctx", "64"],
+                       input=script, capture_output=True, timeout=240,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 1, err
+    assert "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2, err
+    assert "not valid Unicode" in errors[0] and "byte 0xFF" in errors[0]
+    assert "tokens" in errors[1]  # the context overflow
+    assert out.count(GOLDEN[:12]) == 2, out  # the first and the last message were answered
+
+
 def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session(stories_dir, tmp_path):
     saved = tmp_path / "after.json"
     p = subprocess.Popen([sys.executable, "-m", "cli", "chat", "-m", str(stories_dir),

@@ -62,7 +62,7 @@ def stories():
     return src, tok, [1] + tok.encode("Once upon a time", add_special_tokens=False).ids
 
 
-@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq", "mse"])
 def test_stories_converted_tells_the_story(method, stories, tmp_path):
     src, tok, prompt = stories
     calib = tmp_path / "calib.txt"
@@ -82,6 +82,22 @@ def test_stories_converted_tells_the_story(method, stories, tmp_path):
     d = describe_eif(out)
     assert d["provenance"]["method"] == method and d["provenance"]["source"] == STORIES
     assert 4.5 < d["bits_per_weight_by_kind"]["attention"] < 5.0  # 4 + 16/32 + 4/32
+
+
+def test_stories_mse_data_free_uses_random_ids(stories, tmp_path):
+    """--method mse without a calibration file: input scales from seeded random token ids
+    (recorded), deterministic, and the story survives."""
+    src, tok, prompt = stories
+    for k in range(2):
+        rep = convert(src, str(tmp_path / f"m{k}.eif"), method="mse", group_size=32,
+                      progress=False)
+        assert "random token ids" in rep["calibration"]
+    q, q1 = read_eif(tmp_path / "m0.eif"), read_eif(tmp_path / "m1.eif")
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert q.tensors[name].method == "mse"
+    assert np.array_equal(q.tensors[name].qweight, q1.tensors[name].qweight)
+    assert np.array_equal(q.tensors[name].scales, q1.tensors[name].scales)
+    assert tok.decode(greedy(q, prompt, 12)).startswith(", there was a little girl")
 
 
 def test_stories_data_free_awq_records_its_text(stories, tmp_path):
@@ -217,6 +233,24 @@ def test_perplexity_llama_cpp_method():
     assert perplexity(perfect, ids, n_ctx=16)["ppl"] == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="2 \\* n_ctx"):
         perplexity(m, ids[:20], n_ctx=16)
+
+
+def test_divergence_kl_and_top1():
+    """KL(P || Q) and top-1 agreement on hand-made distributions (P = Q gives 0 and full
+    agreement; a known pair gives its closed-form KL)."""
+    from edgeinfer.perplexity import divergence
+
+    p = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    assert divergence(p, p)[0] == pytest.approx(0.0, abs=1e-12) and divergence(p, p)[1:] == (2, 2)
+    q = np.log(np.array([[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]]))
+    kl, same, n = divergence(p.astype(np.float16), q)
+    assert kl == pytest.approx(0.7 * np.log(0.7 / 0.2) + 0.2 * np.log(0.2 / 0.7), rel=2e-3)
+    assert (same, n) == (1, 2)
+    seen = []
+    perplexity(_FakeModel(16), np.arange(100) % 7 + 3, n_ctx=16, n_chunks=2,
+               on_logprobs=lambda i, lp: seen.append((i, lp.shape, np.exp(lp).sum(1))))
+    assert [(i, sh) for i, sh, _ in seen] == [(0, (7, 16)), (1, (7, 16))]
+    assert np.allclose(seen[0][2], 1.0)
 
 
 def test_perplexity_stories_real_text(stories):

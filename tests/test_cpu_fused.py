@@ -1,7 +1,8 @@
-"""The CPU backend's fused decode halves (``attention_input``, ``attention_output_mlp``)
-and whole block (``decoder_block``, 4-bit and dense float32 weights) against the numpy
-reference backend, against the CPU's own unfused composition, and the vectorized ``exp``
-they use for the activation.
+"""The CPU backend's fused decode kernels (the halves of :mod:`.fused`) and its compiled
+decode layers (:mod:`edgeinfer.backends.cpu.plan`: fused, step-wise, with the attention
+kernels or the attention op) against the numpy reference backend and against the
+model's composition of ops (:func:`edgeinfer.models.block.block_forward`) on the same
+backend, and the vectorized ``exp`` they use for the activation.
 
 Bounds (see tests/test_cpu_kernels.py): vs the reference, the int8-activation GEMVs give
 ``ACT8_TOL``; vs the unfused CPU ops (same integer GEMVs, same activation rounding) the
@@ -9,13 +10,16 @@ only differences are float association and the polynomial ``exp``: ``1e-5``.
 """
 from __future__ import annotations
 
-import tracemalloc
+import dataclasses
 
 import numpy as np
 import pytest
-from edgeinfer.backends.base import Backend
-from edgeinfer.backends.cpu import CpuBackend, fused
+from edgeinfer.backends import kvcache
+from edgeinfer.backends.base import DecoderBlock, DecodeStep
+from edgeinfer.backends.cpu import CpuBackend, fused, plan
+from edgeinfer.backends.cpu.gemv import SERIAL_MAX_BYTES
 from edgeinfer.backends.reference import ReferenceBackend
+from edgeinfer.models.block import block_forward
 from test_cpu_kernels import ACT8_TOL, nerr, random_q
 
 REF = ReferenceBackend()
@@ -33,27 +37,43 @@ def _qkv_case(rng, d, hq, hkv, hd, group, bias, rdim=None):
     return qs, bs, cos, sin, nw, x
 
 
+def _arrays(w):
+    return (w.wp, w.sc, w.sz, w.bmap)
+
+
+# ---- the fused halves (backends/cpu/fused.py) ------------------------------------------
 @pytest.mark.parametrize("d,hq,hkv,hd,group,bias,rdim,threads", [
     (64, 8, 4, 8, 32, False, None, 2),      # stories260K-like
     (200, 3, 1, 16, 64, True, None, 1),     # D not a multiple of 32 or of the group
     (576, 9, 3, 64, 128, False, None, 2),   # SmolLM2 (parallel variant: > SERIAL_MAX_BYTES)
     (96, 4, 2, 24, 32, True, 16, 1),        # partial rotary dims
 ])
-def test_attention_input_vs_reference(d, hq, hkv, hd, group, bias, rdim, threads):
+def test_qkv_rope_vs_reference(d, hq, hkv, hd, group, bias, rdim, threads):
+    """rmsnorm + fused q/k/v GEMV + RoPE in one call == the reference ops (ACT8_TOL) and
+    the CPU's own ops on the same group (1e-5)."""
     rng = np.random.default_rng(d + hq)
     qs, bs, cos, sin, nw, x = _qkv_case(rng, d, hq, hkv, hd, group, bias, rdim)
     pos = np.array([11], np.int32)
     cpu = CpuBackend(threads=threads)
-    outs = {}
-    for name, be in (("ref", REF), ("cpu", cpu)):
-        ws = [be.upload_weight(q) for q in qs]
-        outs[name] = [np.array(t) for t in be.attention_input(
-            x, nw, 1e-5, False, ws, bs, cos, sin, pos, (hq, hkv, hd))]
-        if be is cpu:
-            unf = Backend.attention_input(cpu, x, nw, 1e-5, False, ws, bs, cos, sin, pos,
-                                          (hq, hkv, hd))
-    assert any(e is not False for e in cpu._dec.values())  # the fused path ran
-    for c, r, u in zip(outs["cpu"], outs["ref"], unf):
+
+    def ops(be, g):
+        h = be.rmsnorm(x, nw, 1e-5, False)
+        q, k, v = be.linear_many(h, g)
+        return (be.rope(q.reshape(1, hq, hd), cos, sin, pos),
+                be.rope(k.reshape(1, hkv, hd), cos, sin, pos), v.reshape(1, hkv, hd))
+
+    ref = ops(REF, REF.group_linears([REF.upload_weight(q) for q in qs], bs))
+    g = cpu.group_linears([cpu.upload_weight(q) for q in qs], bs)
+    unf = ops(cpu, g)
+    w = g.weight
+    y = np.zeros(w.out_features, np.float32)
+    fn = fused.qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else fused.qkv_rope_par
+    fn(y, x, nw, 1e-5, False, np.zeros(d, np.float32), _arrays(w),
+       np.zeros(0, np.float32) if g.bias is None else g.bias,
+       cpu.act_scratch.get(w.n_blocks, w.n_groups), cos, sin, 11, hq, hkv, hd)
+    got = (y[:hq * hd].reshape(1, hq, hd), y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd),
+           y[(hq + hkv) * hd:].reshape(1, hkv, hd))
+    for c, r, u in zip(got, ref, unf):
         assert c.shape == r.shape
         assert nerr(c, r) < ACT8_TOL
         assert nerr(c, u) < 1e-5
@@ -65,7 +85,9 @@ def test_attention_input_vs_reference(d, hq, hkv, hd, group, bias, rdim, threads
     (576, 1536, 128, "silu", 2),       # SmolLM2 sizes (parallel variant)
     (128, 320, 64, "gelu_tanh", 1),
 ])
-def test_attention_output_mlp_vs_reference(d, f, group, act, threads):
+def test_out_mlp_vs_reference(d, f, group, act, threads):
+    """Wo + residual + rmsnorm + gate/up + GLU + down + residual in one call == the
+    reference ops and the CPU's own ops; also in place (output fed back as x)."""
     rng = np.random.default_rng(d + f)
     qs = [random_q(rng, d, d, 4, group, sym=False), random_q(rng, f, d, 4, group, sym=False),
           random_q(rng, f, d, 4, group, sym=False), random_q(rng, d, f, 4, group, sym=False)]
@@ -74,23 +96,36 @@ def test_attention_output_mlp_vs_reference(d, f, group, act, threads):
     a = rng.standard_normal((1, d)).astype(np.float32)
     x0 = x.copy()
     cpu = CpuBackend(threads=threads)
-    res = {}
-    for name, be in (("ref", REF), ("cpu", cpu)):
+
+    def ops(be, x, wo, gu, wd):
+        x = be.add(x, be.linear(a, wo))
+        gate, up = be.linear_many(be.rmsnorm(x, nw, 1e-5, True), gu)
+        return be.add(x, be.linear(be.glu(gate, up, act), wd))
+
+    def up(be):
         wo, wg, wu, wd = (be.upload_weight(q) for q in qs)
-        res[name] = np.array(be.attention_output_mlp(x, a, wo, nw, 1e-5, True, wg, wu, wd, act))
-        if be is cpu:
-            unf = Backend.attention_output_mlp(cpu, x, a, wo, nw, 1e-5, True, wg, wu, wd, act)
-            y = cpu.attention_output_mlp(x, a, wo, nw, 1e-5, True, wg, wu, wd, act)
-            # in place: the scratch result fed back as x (what the next layer does)
-            y2 = cpu.attention_output_mlp(y, a, wo, nw, 1e-5, True, wg, wu, wd, act)
-            ref2 = Backend.attention_output_mlp(cpu, res["cpu"], a, wo, nw, 1e-5, True, wg, wu,
-                                                wd, act)
+        return wo, be.group_linears([wg, wu], [None, None]), wd
+
+    ref = ops(REF, x, *up(REF))
+    wo, gu, wd = up(cpu)
+    unf = ops(cpu, x, wo, gu, wd)
+    w = gu.weight
+    fn = fused.out_mlp_ser if w.nbytes <= SERIAL_MAX_BYTES else fused.out_mlp_par
+    xo = np.zeros((1, d), np.float32)
+    nob = tuple(np.zeros(n, np.float32) for n in (d, d, 2 * f, f))
+
+    def call(xin):
+        fn(xo, xin, a, nw, 1e-5, True, act == "gelu_tanh", _arrays(wo), _arrays(w),
+           _arrays(wd), *(cpu.act_scratch.get(v.n_blocks, v.n_groups) for v in (wo, w, wd)),
+           nob, np.zeros(0, np.float32))
+        return xo.copy()
+
+    y = call(x)
     assert np.array_equal(x, x0)  # x itself is never written
-    assert nerr(res["cpu"], res["ref"]) < ACT8_TOL
-    assert nerr(res["cpu"], unf) < 1e-5
-    assert nerr(y2, ref2) < 1e-5
-    with pytest.raises(ValueError):
-        cpu.attention_output_mlp(x, a, wo, nw, 1e-5, True, wg, wu, wd, "relu")
+    assert nerr(y, ref) < ACT8_TOL
+    assert nerr(y, unf) < 1e-5
+    y2 = call(xo)  # in place: the result fed back as x (what the next layer does)
+    assert nerr(y2, ops(cpu, y, wo, gu, wd)) < 1e-5
 
 
 def test_exp_polynomial():
@@ -108,49 +143,60 @@ def test_exp_polynomial():
     assert np.max(np.abs(m[ok] - ref[ok]) / np.abs(ref[ok])) < 2e-6
 
 
-def test_decode_step_allocation_free():
-    """After warm-up, the fused layer ops allocate no array: the transient peak of traced
-    memory during a step stays below the smallest array a step could allocate (D = 1024
-    floats = 4 KiB; argument tuples and views take ~2 KB, independent of D)."""
-    rng = np.random.default_rng(5)
-    d, hq, hkv, hd, f = 1024, 8, 4, 128, 1536
-    qs, bs, cos, sin, nw, x = _qkv_case(rng, d, hq, hkv, hd, 128, False)
-    cpu = CpuBackend(threads=1)
-    ws = [cpu.upload_weight(q) for q in qs]
-    mw = [cpu.upload_weight(random_q(rng, o, i, 4, 128, sym=False))
-          for o, i in ((d, hq * hd), (f, d), (f, d), (d, f))]
-    pos = np.array([3], np.int32)
-
-    def step(x):
-        q, k, v = cpu.attention_input(x, nw, 1e-5, False, ws, bs, cos, sin, pos, (hq, hkv, hd))
-        return cpu.attention_output_mlp(x, q.reshape(1, -1), mw[0], nw, 1e-5, False, *mw[1:])
-
-    y = step(step(x))
-    tracemalloc.start()
-    try:
-        peaks = []
-        for _ in range(3):
-            cur = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
-            y = step(y)
-            peaks.append(tracemalloc.get_traced_memory()[1] - cur)
-        cur = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        control = np.empty(d, np.float32)  # positive control: numpy data is traced
-        control_peak = tracemalloc.get_traced_memory()[1] - cur
-    finally:
-        tracemalloc.stop()
-    assert control_peak >= control.nbytes
-    assert max(peaks) < 4 * d
-
-
-# ---- decoder_block: the whole plain pre-norm block (backends/cpu/decode.py) -------------
-def _block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act):
-    from edgeinfer.backends.base import PreNormBlock
+# ---- compiled decode layers (backends/cpu/plan.py) -------------------------------------
+def _block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act, **norms):
     wq, wk, wv = (be.upload_weight(q) for q in qs)
     wo, wg, wu, wd = (be.upload_weight(q) for q in mq)
-    return PreNormBlock(nw, [wq, wk, wv], list(bs), cos, sin, wo, nw[::-1].copy(), wg, wu, wd,
-                        heads, 1e-5, False, heads[2] ** -0.5, window, softcap, act)
+    return DecoderBlock(nw, be.group_linears([wq, wk, wv], list(bs)), cos, sin, wo,
+                        nw[::-1].copy(), be.group_linears([wg, wu], [None, None]), wd, heads,
+                        1e-5, bool(norms), heads[2] ** -0.5, window, softcap, act, **norms)
+
+
+def _steps(cpu, blk, kv, ring, window, rng, ref=None, check=None, compose_tol=None):
+    """Prefill chunks (the composition) and decode steps (the compiled layer) of ``blk``
+    on ``cpu`` == an oracle on the same backend bit for bit, outputs and cache bytes, also
+    with the layer's output scratch fed back as x (in place). The oracle is the
+    composition (:func:`block_forward`), or with ``compose_tol`` the same layer's halves
+    around the backend's attention op (fused halves round differently from the single
+    ops: their outputs are then within ``compose_tol`` of the composition's). With
+    ``ref`` = (backend, block), its outputs within ``check``. Returns the layer plan."""
+    _, hkv, hd = blk.heads
+    d = blk.input_norm.shape[0]
+    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
+    new_c, orc_c, ref_c, comp_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw)
+                                   for _ in range(4))
+    lp = plan.layer_plan(cpu, blk, new_c, 0)
+    op = plan.layer_plan(cpu, blk, orc_c, 0)._replace(attn=None)  # the attention op
+    pos = np.arange(40, dtype=np.int32)
+    start = 0
+    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
+        x = rng.standard_normal((t, d)).astype(np.float32) * 2
+        p = pos[start:start + t]
+        if t == 1:
+            x_in = x
+            if i % 2:  # the previous step's output buffer as this step's input
+                x_in = cpu.scratch("xo", (1, d))
+                x_in[...] = x
+            y_n = np.array(plan.run_layer(cpu, lp, x_in, p, start, new_c, 0))
+            if compose_tol is None:
+                y_o = np.array(block_forward(cpu, blk, x, p, orc_c, 0))
+            else:
+                y_o = np.array(plan.run_layer(cpu, op, x.copy(), p, start, orc_c, 0))
+                y_c = np.array(block_forward(cpu, blk, x, p, comp_c, 0))
+                assert nerr(y_n, y_c) < compose_tol
+        else:
+            y_n = np.array(block_forward(cpu, blk, x, p, new_c, 0))
+            y_o = np.array(block_forward(cpu, blk, x, p, orc_c, 0))
+            if compose_tol is not None:
+                block_forward(cpu, blk, x, p, comp_c, 0)
+        assert y_n.shape == (t, d)
+        assert np.array_equal(y_n, y_o)
+        if ref is not None:
+            assert nerr(y_n, block_forward(ref[0], ref[1], x, p, ref_c, 0)) < check
+        for name, arr in orc_c.raw(0).items():
+            assert np.array_equal(arr.view(np.uint8), new_c.raw(0)[name].view(np.uint8)), name
+        start += t
+    return lp
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
@@ -160,15 +206,16 @@ def _block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act):
     (96, 4, 2, 32, 128, 32, False, 4, True, None, "silu", 1),        # ring (windowed) layer
     (576, 9, 3, 64, 1536, 128, False, None, False, None, "silu", 2),  # SmolLM2 (parallel)
 ])
-def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window, ring,
-                                      softcap, act, threads):
-    """The fused decode block == the CPU's own composition of ops (same kernels: outputs
-    to float association, caches byte-identical), and the reference as a sanity bound only
-    (random weights, four chained int8-activation GEMVs per step and K/V from them in a
-    4-bit cache drift to ~0.05 over the steps at SmolLM2 sizes, ~0.12 with int4 K whose
-    channel statistics come from those K; the same for the composition),
-    over a prefill then decode steps; f32/f16 ring layers fall back to the composition."""
-    from edgeinfer.backends import kvcache
+def test_fused_layer_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window, ring,
+                                    softcap, act, threads):
+    """A plain 4-bit block's compiled layer == its fused halves around the attention op
+    bit for bit (outputs and cache bytes), the composition of single ops within
+    ``ACT8_TOL`` (the same integer GEMVs, but float association and the polynomial exp
+    can flip an int8 activation code, and K/V drift with the steps), and the reference as a
+    sanity bound only (random weights, four chained int8-activation GEMVs per step and K/V
+    from them in a 4-bit cache drift to ~0.05 over the steps at SmolLM2 sizes, ~0.12 with
+    int4 K whose channel statistics come from those K; the same for the composition);
+    f32/f16 ring layers take the attention op between the fused halves."""
     rng = np.random.default_rng(d + hd)
     heads = (hq, hkv, hd)
     qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, group, bias)
@@ -177,55 +224,9 @@ def test_decoder_block_vs_composition(kv, d, hq, hkv, hd, f, group, bias, window
     cpu = CpuBackend(threads=threads)
     bc, br = (_block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act)
               for be in (cpu, REF))
-    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
-    fused_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
-    pos = np.arange(40, dtype=np.int32)
-    start = 0
-    for t in (5, 1, 1, 3, 1, 1, 1):  # prefill chunks (the composition) and decode steps
-        x = rng.standard_normal((t, d)).astype(np.float32) * 2
-        p = pos[start:start + t]
-        y_f = np.array(cpu.decoder_block(x, bc, p, fused_c, 0))
-        y_c = np.array(Backend.decoder_block(cpu, x, bc, p, comp_c, 0))
-        y_r = REF.decoder_block(x, br, p, ref_c, 0)
-        assert y_f.shape == (t, d)
-        assert nerr(y_f, y_c) < 1e-5
-        assert nerr(y_f, y_r) < 0.2  # sanity only (see the docstring)
-        for name, arr in comp_c.raw(0).items():
-            assert np.array_equal(arr.view(np.uint8), fused_c.raw(0)[name].view(np.uint8)), name
-        start += t
-    prepared = fused_c._cpu_dec[0][1]
-    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the fused path ran
-
-
-def _decode_equals_composition(cpu, blk, kv, ring, window, rng, ref=None, tol=None):
-    """Prefill chunks and decode steps of ``blk`` through ``cpu.decoder_block`` equal the
-    contract's composition on the same backend bit for bit, outputs and cache bytes, also
-    with the block's output scratch fed back as x (in place); with ``ref`` = (backend,
-    block), its outputs within ``tol``. Returns the cache the decode path wrote."""
-    from edgeinfer.backends import kvcache
-    _, hkv, hd = blk.heads
-    d = blk.input_norm.shape[0]
-    kw = {"window_sizes": [window], "max_chunk": 8} if ring else {}
-    new_c, comp_c, ref_c = (kvcache.HostKVCache(1, hkv, hd, 40, kv, **kw) for _ in range(3))
-    pos = np.arange(40, dtype=np.int32)
-    start = 0
-    for i, t in enumerate((5, 1, 1, 3, 1, 1, 1)):  # prefill chunks and decode steps
-        x = rng.standard_normal((t, d)).astype(np.float32) * 2
-        p = pos[start:start + t]
-        y_c = np.array(Backend.decoder_block(cpu, x, blk, p, comp_c, 0))
-        if t == 1 and i % 2:  # the previous step's output buffer as this step's input
-            x_in = cpu._scratch("xo", (1, d))
-            x_in[...] = x
-        else:
-            x_in = x
-        y_n = np.array(cpu.decoder_block(x_in, blk, p, new_c, 0))
-        assert np.array_equal(y_n, y_c)
-        if ref is not None:
-            assert nerr(y_n, ref[0].decoder_block(x, ref[1], p, ref_c, 0)) < tol
-        for name, arr in comp_c.raw(0).items():
-            assert np.array_equal(arr.view(np.uint8), new_c.raw(0)[name].view(np.uint8)), name
-        start += t
-    return new_c
+    lp = _steps(cpu, bc, kv, ring, window, rng, (REF, br), 0.2, compose_tol=ACT8_TOL)
+    assert lp.qkv is not None and lp.mlp is not None and lp.steps is None  # fused halves
+    assert (lp.attn is None) == (ring and kv in ("f32", "f16"))  # else the kernels
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
@@ -234,12 +235,11 @@ def _decode_equals_composition(cpu, blk, kv, ring, window, rng, ref=None, tol=No
     (200, 3, 1, 16, 100, True, 5, False, 30.0, "gelu_tanh", 1),    # odd D/F, bias, window
     (96, 4, 2, 32, 128, False, 4, True, None, "silu", 1),          # ring (windowed) layer
 ])
-def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, window, ring,
-                                                softcap, act, threads):
+def test_dense_layer_equals_composition(kv, d, hq, hkv, hd, f, bias, window, ring,
+                                        softcap, act, threads):
     """Dense float32 weights (backends/cpu/stepwise.py): the decode step == the CPU's own
-    composition of ops bit for bit (the same BLAS GEMVs and kernels, into scratch), outputs
-    and caches, also with the block's output scratch fed back as x (in place); f32/f16
-    ring layers fall back to the composition."""
+    composition of ops bit for bit (the same BLAS GEMVs and kernels, into scratch),
+    outputs and caches, also with the output scratch fed back as x (in place)."""
     rng = np.random.default_rng(d + hd + 1)
     heads = (hq, hkv, hd)
     qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, 32, bias)
@@ -248,17 +248,14 @@ def test_decoder_block_dense_equals_composition(kv, d, hq, hkv, hd, f, bias, win
           for s in ((d, hq * hd), (f, d), (f, d), (d, f))]
     cpu = CpuBackend(threads=threads)
     blk = _block(cpu, qs, bs, mq, nw, cos, sin, heads, window, softcap, act)
-    dense_c = _decode_equals_composition(cpu, blk, kv, ring, window, rng)
-    assert blk._cpu_prep[1][0] is None  # dense weights prepared (decode.py's marker)
-    prepared = dense_c._cpu_dec[0][1]
-    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the dense path ran
+    lp = _steps(cpu, blk, kv, ring, window, rng)
+    assert lp.qkv is None and lp.mlp is None and lp.steps is not None  # the step-wise halves
+    assert (lp.attn is None) == (ring and kv in ("f32", "f16"))
 
 
-def test_decoder_block_overflow_and_fallbacks():
-    """Decode past the cache raises like the composition; exact_decode takes the
-    composition; mixed 4-bit / dense weights take the step-wise path
-    (backends/cpu/stepwise.py) and equal the composition."""
-    from edgeinfer.backends.cpu.stepwise import StepwiseBlock
+def test_layer_overflow_exact_and_mixed():
+    """Decode past the cache raises like the composition; exact_decode compiles no plan;
+    mixed 4-bit / dense weights take the step-wise halves and equal the composition."""
     rng = np.random.default_rng(3)
     d, hq, hkv, hd, f = 64, 4, 2, 16, 96
     heads = (hq, hkv, hd)
@@ -268,23 +265,26 @@ def test_decoder_block_overflow_and_fallbacks():
     cpu = CpuBackend(threads=1)
     blk = _block(cpu, qs, bs, mq, nw, cos, sin, heads, None, None, "silu")
     cache = cpu.new_kv_cache(1, hkv, hd, 4, "int8")
+    lp = plan.layer_plan(cpu, blk, cache, 0)
     pos = np.arange(40, dtype=np.int32)
     for p in range(4):
-        cpu.decoder_block(x, blk, pos[p:p + 1], cache, 0)
+        plan.run_layer(cpu, lp, x, pos[p:p + 1], p, cache, 0)
     with pytest.raises(ValueError, match="overflow"):
-        cpu.decoder_block(x, blk, pos[4:5], cache, 0)
+        plan.run_layer(cpu, lp, x, pos[4:5], 4, cache, 0)
+    with pytest.raises(ValueError, match="overflow"):
+        block_forward(cpu, blk, x, pos[4:5], cache, 0)
     exact = CpuBackend(threads=1, exact_decode=True)
     be = _block(exact, qs, bs, mq, nw, cos, sin, heads, None, None, "silu")
-    c2 = exact.new_kv_cache(1, hkv, hd, 4, "int8")
-    y = exact.decoder_block(x, be, pos[:1], c2, 0)
-    assert "_cpu_dec" not in c2.__dict__ and y.shape == (1, d)
+    step = DecodeStep(exact.upload_embedding(rng.standard_normal((8, d)).astype(np.float32)),
+                      1.0, (be,), nw, 1e-5, False,
+                      exact.upload_weight(rng.standard_normal((8, d)).astype(np.float32)), None)
+    assert exact.compile_decode(step, exact.new_kv_cache(1, hkv, hd, 4, "int8")) is None
+    assert cpu.compile_decode(dataclasses.replace(step, blocks=(blk,)),
+                              cpu.new_kv_cache(1, hkv, hd, 4, "int8")) is not None
     mixed = _block(cpu, [q.dequantize() for q in qs], bs, mq, nw, cos, sin, heads, None, None,
                    "silu")
-    c3 = cpu.new_kv_cache(1, hkv, hd, 4, "int8")
-    y = cpu.decoder_block(x, mixed, pos[:1], c3, 0)
-    assert isinstance(mixed._cpu_prep[1][1], StepwiseBlock)
-    assert np.array_equal(y, Backend.decoder_block(cpu, x, mixed, pos[:1],
-                                                   cpu.new_kv_cache(1, hkv, hd, 4, "int8"), 0))
+    lp = _steps(cpu, mixed, "int8", False, None, rng)
+    assert lp.qkv is None and lp.steps is not None  # (its fused MLP half: the op path only)
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4", "k8v4"])
@@ -295,16 +295,12 @@ def test_decoder_block_overflow_and_fallbacks():
     (64, 8, 4, 8, 128, True, 5, False, "sandwich"),         # sandwich norms only, bias
     (64, 8, 4, 8, 96, False, None, False, "qk"),            # QK-norm only (Qwen3-like)
 ])
-def test_decoder_block_normed_equals_composition(kv, weights, d, hq, hkv, hd, f, bias, window,
-                                                 ring, norms):
+def test_normed_layer_equals_composition(kv, weights, d, hq, hkv, hd, f, bias, window,
+                                         ring, norms):
     """Blocks with QK-norm / sandwich norms (backends/cpu/stepwise.py), 4-bit and dense
     float32 weights: the decode step == the CPU's own composition of ops bit for bit,
     outputs and caches, also with the output scratch fed back as x; the reference as a
-    bound (dense: float association only); f32/f16 ring layers fall back to the
-    composition, as for plain blocks."""
-    import dataclasses
-
-    from edgeinfer.backends.cpu.stepwise import StepwiseBlock
+    bound (dense: float association only); f32/f16 ring layers take the attention op."""
     rng = np.random.default_rng(d + hd + f)
     heads = (hq, hkv, hd)
     qs, bs, cos, sin, nw, _ = _qkv_case(rng, d, hq, hkv, hd, 32, bias)
@@ -315,14 +311,12 @@ def test_decoder_block_normed_equals_composition(kv, weights, d, hq, hkv, hd, f,
         ("q_norm", hd), ("k_norm", hd), ("attn_out_norm", d), ("mlp_out_norm", d))
         if ("qk" if n[1] == "_" else "sandwich") in norms}
     cpu = CpuBackend(threads=1)
-    blk, br = (dataclasses.replace(_block(be, qs, bs, mq, nw, cos, sin, heads, window, None,
-                                          "gelu_tanh"), unit_offset=True, **nrm)
+    blk, br = (_block(be, qs, bs, mq, nw, cos, sin, heads, window, None, "gelu_tanh", **nrm)
                for be in (cpu, REF))
     assert not blk.plain
-    new_c = _decode_equals_composition(cpu, blk, kv, ring, window, rng, (REF, br),
-                                       1e-4 if weights == "f32" and kv == "f32" else 0.2)
-    assert isinstance(blk._cpu_prep[1][1], StepwiseBlock)
-    lin = blk._cpu_prep[1][1].lin_qkv[0][1]
+    lp = _steps(cpu, blk, kv, ring, window, rng, (REF, br),
+                1e-4 if weights == "f32" and kv == "f32" else 0.2)
+    assert lp.qkv is None and lp.steps is not None
+    lin = lp.steps.lin_qkv[0][1]
     assert isinstance(lin, np.ndarray) == (weights == "f32")  # 4-bit: the fused q/k/v GEMV
-    prepared = new_c._cpu_dec[0][1]
-    assert (prepared is False) == (ring and kv in ("f32", "f16"))  # else the new path ran
+    assert (lp.attn is None) == (ring and kv in ("f32", "f16"))  # else the kernels ran

@@ -384,14 +384,22 @@ def test_attention_decode_serial_equals_parallel(dtype):
         if dtype == "f16":
             kc, vc = c.k[0].view(np.uint16), c.v[0].view(np.uint16)
             fn = att.attention if par else att.attention_serial
-            scr = att.decode_scratch(c, hq, hd) if par else np.zeros((0, 0), np.float32)
+            scr = (np.empty(att.decode_scratch_shape(c, hq, hd), np.float32) if par
+                   else np.zeros((0, 0), np.float32))
             fn(out, q, k[-1:], v[-1:], kc, vc, np.zeros(0, np.int64), False, n - 1, 0.125, 0, 0.0,
                scr)
         else:
-            a = c._cpu_qviews[0]
+            raw = c.raw(0)
+
+            def bits(name):
+                return None if name not in raw else raw[name].view(np.uint16)
             fn = kvquant.attention_q if par else kvquant.attention_q_serial
-            scr = kvquant.decode_scratch_q(c, hq, hd) if par else np.zeros((0, 0), np.float32)
-            fn(out, q, a[7], a[0], a[1], a[2], a[3], a[4], a[5], a[9], a[10], a[6], n - 1, 0.125,
+            scr = (np.empty(kvquant.decode_scratch_q_shape(c, hq, hd), np.float32) if par
+                   else np.zeros((0, 0), np.float32))
+            koff = raw.get("k_off", np.zeros((hkv, hd), np.float32))
+            kcs = raw.get("k_cs", np.ones((hkv, hd), np.float32))
+            fn(out, q, c.rotation, raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"],
+               bits("v_scale"), bits("v_min"), koff, kcs, np.zeros(0, np.int64), n - 1, 0.125,
                0, 0.0, scr)
         outs.append(out)
     assert nerr(outs[1], outs[0]) < 1e-6
@@ -401,9 +409,10 @@ def test_attention_decode_serial_equals_parallel(dtype):
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, -1)])
 @pytest.mark.parametrize("t", [1, 2, 7])
 def test_linear_many_fused(bits, group, t):
-    """Fused weights give the same outputs as separate linears (decode: bit-identical,
+    """A fused group gives the same outputs as separate linears (decode: bit-identical,
     same int8 activations; prefill: float32 rounding) and the reference within the
-    usual bounds; members keep working alone and share the fused storage."""
+    usual bounds; members keep working alone and share the fused storage; the given
+    handles are left as they were."""
     rng = np.random.default_rng(t)
     n_in = 256
     qts = [random_q(rng, o, n_in, bits, group) for o in (96, 32, 32)]
@@ -413,8 +422,12 @@ def test_linear_many_fused(bits, group, t):
     biases = [rng.standard_normal(96).astype(np.float32), None,
               rng.standard_normal(32).astype(np.float32)]
     x = rng.standard_normal((t, n_in)).astype(np.float32)
-    for _ in range(2):  # first call fuses, second uses the fused weight
-        ys = be.linear_many(x, ws, biases)
+    wp0 = [w.wp for w in ws]
+    g = be.group_linears(ws, biases)
+    assert all(w.wp is a for w, a in zip(ws, wp0))  # not modified
+    ws = list(g.weights)
+    for _ in range(2):
+        ys = be.linear_many(x, g)
         for y, w, b, q in zip(ys, sep, biases, qts):
             alone = be.linear(x, w, b)
             if t <= 2:
@@ -436,6 +449,8 @@ def test_linear_many_mixed_falls_back():
     w8 = CPU.upload_weight(random_q(rng, 8, 64, 8, -1))
     dense = rng.standard_normal((4, 64)).astype(np.float32)
     x = rng.standard_normal((1, 64)).astype(np.float32)
-    ys = CPU.linear_many(x, [w4, w8, dense], [None, None, None])
+    g = CPU.group_linears([w4, w8, dense], [None, None, None])
+    assert g.weights == (w4, w8, dense)
+    ys = CPU.linear_many(x, g)
     for y, w in zip(ys, [w4, w8, dense]):
         assert np.array_equal(y, CPU.linear(x, w))

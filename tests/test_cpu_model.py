@@ -1,15 +1,15 @@
 """Whole-model parity of the CPU backend with the reference on stories260K.
 
-* dense float32 weights: 64 greedy tokens identical (decode through the allocation-free
-  scratch block of backends/cpu/stepwise.py), also over f16 / int8 / int4 / k8v4 caches;
+* dense float32 weights: 64 greedy tokens identical (decode through the step-wise halves
+  of backends/cpu/stepwise.py), also over f16 / int8 / int4 / k8v4 caches;
 * RTN INT4 (g32 asymmetric, padded 172 -> 192) with an 8-bit per-row head:
   identical with ``exact_decode=True`` (float activations); on the default int8-activation
   decode path, teacher-forced logits within 3e-2 normalized error every step and the
   argmax identical wherever the reference's top-2 margin exceeds that error;
 * prefill of N tokens == prefill N-1 + decode 1 (last logits within 1e-4 relative).
 
-Quantized decode runs through the CPU backend's fused per-layer kernels
-(``attention_input`` / ``attention_output_mlp``); the teacher-forced test checks they ran.
+Quantized decode runs through the fused halves of the CPU backend's decode plan
+(backends/cpu/plan.py); the teacher-forced test checks they ran.
 """
 from __future__ import annotations
 
@@ -74,8 +74,11 @@ def model():
     return cfg, dense, quant
 
 
-def greedy(m: Transformer, steps: int = STEPS, kv: str = "f32") -> list[int]:
+def greedy(m: Transformer, steps: int = STEPS, kv: str = "f32", caches=None) -> list[int]:
+    """Greedy tokens after PROMPT; the cache is appended to ``caches`` when given."""
     cache = m.new_cache(PROMPT.size + steps + 1, kv)
+    if caches is not None:
+        caches.append(cache)
     logits = m.forward(PROMPT, cache)
     out = []
     for _ in range(steps):
@@ -85,15 +88,24 @@ def greedy(m: Transformer, steps: int = STEPS, kv: str = "f32") -> list[int]:
     return out
 
 
+def stepwise_decode(m: Transformer, cache) -> bool:
+    """Whether ``m``'s decode plan for ``cache`` runs every layer step-wise (dense)."""
+    p = m.plan(cache)
+    return p is not None and all(lp.qkv is None and lp.steps is not None for lp in p.layers)
+
+
 @pytest.mark.parametrize("weights,exact", [("dense", False), ("quant", True)])
 def test_greedy_identical(model, weights, exact):
     cfg, dense, quant = model
     tensors = dense if weights == "dense" else quant
     ref = greedy(Transformer(cfg, tensors, ReferenceBackend(), 256))
     mc = Transformer(cfg, tensors, CpuBackend(exact_decode=exact), 256)
-    assert greedy(mc) == ref
+    caches = []
+    assert greedy(mc, caches=caches) == ref
     if weights == "dense":  # decode ran through backends/cpu/stepwise.py
-        assert all(b._cpu_prep[1][0] is None for b in mc.blocks)
+        assert stepwise_decode(mc, caches[0])
+    else:  # exact_decode: no plan, the model's composition
+        assert mc.plan(caches[0]) is None
 
 
 def test_quant_fast_decode_teacher_forced(model):
@@ -114,9 +126,10 @@ def test_quant_fast_decode_teacher_forced(model):
         ids = np.array([tok], np.int32)
         lr, lc = mr.forward(ids, cr), mc.forward(ids, cc)
     assert agree >= STEPS - 4
-    # decode ran through the fused per-layer kernels (backends/cpu/fused.py, decode.py)
-    assert {k[0] for k, v in mc.backend._dec.items() if v is not False} == {"qkv", "mlp"}
-    assert all(v[1] is not False for v in cc._cpu_dec.values())
+    # decode ran through the fused halves and attention kernels (backends/cpu/plan.py)
+    p = mc.plan(cc)
+    assert all(lp.qkv is not None and lp.mlp is not None and lp.attn is not None
+               for lp in p.layers)
 
 
 @pytest.mark.parametrize("weights", ["dense", "quant"])
@@ -149,5 +162,6 @@ def test_greedy_identical_quantized_kv(model, kv):
     cfg, dense, _ = model
     ref = greedy(Transformer(cfg, dense, ReferenceBackend(), 256), kv=kv)
     mc = Transformer(cfg, dense, CpuBackend(), 256)
-    assert greedy(mc, kv=kv) == ref
-    assert all(b._cpu_prep[1][0] is None for b in mc.blocks)  # the dense decode block ran
+    caches = []
+    assert greedy(mc, kv=kv, caches=caches) == ref
+    assert stepwise_decode(mc, caches[0])  # the dense decode halves ran

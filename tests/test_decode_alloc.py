@@ -10,11 +10,11 @@ Detection (each with a positive control that must trip it):
 * Numba: the runtime's allocation counter (``NRT`` stats), for arrays created inside
   the kernels (``np.empty`` in an ``@njit`` function never reaches numpy's allocator).
 
-Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused Numba
-path of backends/cpu/decode.py), and with dense float32 weights, all of them (what a
-GGUF dequantized at load gives: backends/cpu/stepwise.py) or with an 8-bit head; KV cache
-f32 / f16 / int8 / int4 / k8v4. A tiny random Gemma-3-like model (QK-norm, sandwich
-norms, (1 + w) norms, GELU-tanh, sliding-window layers, two RoPE bases:
+Model: stories260K (conftest) with RTN INT4 linears and an 8-bit head (the fused halves
+of the decode plan, backends/cpu/plan.py), and with dense float32 weights, all of them
+(what a GGUF dequantized at load gives: backends/cpu/stepwise.py) or with an 8-bit head;
+KV cache f32 / f16 / int8 / int4 / k8v4. A tiny random Gemma-3-like model (QK-norm,
+sandwich norms, (1 + w) norms, GELU-tanh, sliding-window layers, two RoPE bases:
 backends/cpu/stepwise.py), 4-bit and dense float32, the same caches, quantized ones also
 as rings. Sampling: the engine's ``Sampler`` workspace, greedy and
 sampled (temperature / top-k / top-p / min-p / penalties), alone and inside the whole
@@ -251,15 +251,15 @@ def test_warm_decode_step_allocates_nothing(quant_model, kv):
             m.forward(ids, cache, out=out)
             np.empty(1, np.int32)
     assert n_np[0] >= 3
-    assert all(b._cpu_prep[1] is not False for b in m.blocks)  # the per-block decode ran
+    p = m.plan(cache)  # the decode plan ran, with an in-place attention in every layer
+    assert p is not None and all(lp.attn is not None for lp in p.layers)
 
 
 def _stepwise_controls(m, kv, monkeypatch) -> tuple[int, int]:
     """numpy allocations in 3 warm decode steps of ``m`` (a ``kv`` cache) with one hidden
     temporary in the step-wise path's GLU (backends/cpu/stepwise.py), then with
-    ``exact_decode`` (the composition of ops the path replaces)."""
+    ``exact_decode`` (no plan: the composition of ops the plan replaces)."""
     from edgeinfer.backends.cpu import stepwise
-    cache, ids, out = _warm_steps(m, kv)
     glu_into = stepwise.glu_into
 
     def glu_alloc(y, g, u, gelu):  # the same values through a temporary
@@ -267,15 +267,19 @@ def _stepwise_controls(m, kv, monkeypatch) -> tuple[int, int]:
         return y
 
     counts = []
-    for hidden in (True, False):
-        with monkeypatch.context() as mp:
-            if hidden:
-                mp.setattr(stepwise, "glu_into", glu_alloc)
-            m.backend.exact_decode = not hidden
-            with numpy_allocs() as n_np:
-                _three_steps(m, cache, ids, out)
-            counts.append(n_np[0])
-    m.backend.exact_decode = False
+    try:
+        for hidden in (True, False):
+            with monkeypatch.context() as mp:
+                if hidden:
+                    mp.setattr(stepwise, "glu_into", glu_alloc)
+                m.backend.exact_decode = not hidden  # read when a cache's plan is compiled
+                cache, ids, out = _warm_steps(m, kv)
+                assert (m.plan(cache) is None) == (not hidden)
+                with numpy_allocs() as n_np:
+                    _three_steps(m, cache, ids, out)
+                counts.append(n_np[0])
+    finally:
+        m.backend.exact_decode = False
     return counts[0], counts[1]
 
 
@@ -312,8 +316,8 @@ def gemma_model(request):
                                       ("int4", 8), ("k8v4", 8)])
 def test_gemma_warm_decode_step_allocates_nothing(gemma_model, kv, chunk):
     """QK-norm and sandwich norms take the scratch path of backends/cpu/stepwise.py; chunk
-    8 makes the two sliding-window layers rings of 13 slots (f32/f16 rings still take
-    the composition, as for plain blocks)."""
+    8 makes the two sliding-window layers rings of 13 slots (f32/f16 rings take the
+    attention op, which allocates: not tested here)."""
     from edgeinfer.backends.cpu.stepwise import StepwiseBlock
     m = gemma_model
     cache, ids, out = _warm_steps(m, kv, chunk)
@@ -323,8 +327,9 @@ def test_gemma_warm_decode_step_allocates_nothing(gemma_model, kv, chunk):
     assert y is out
     assert n_np[0] == 0, f"{n_np[0]} numpy allocations in 3 decode steps ({kv} cache)"
     assert n_nrt[0] == 0, f"{n_nrt[0]} Numba allocations in 3 decode steps ({kv} cache)"
-    assert all(isinstance(b._cpu_prep[1][1], StepwiseBlock) for b in m.blocks)
-    assert all(c[1] is not False for c in cache._cpu_dec.values())  # the new path ran
+    p = m.plan(cache)
+    assert all(isinstance(lp.steps, StepwiseBlock) for lp in p.layers)
+    assert all(lp.attn is not None for lp in p.layers)  # the in-place attention ran
 
 
 @pytest.mark.parametrize("weights", ["q4", "f32"])

@@ -1,6 +1,7 @@
 """The OpenCL backend on whole models: stories260K greedy parity with the reference
 backend (dense and RTN INT4), prefill/decode consistency, no buffer allocation in the
-decode loop, the fused decode path (launch count, parity with the unfused kernels), and
+decode loop, the decode plan of CPU devices (launch count, parity with the unfused
+kernels, Gemma 3's blocks, when it applies), and
 SmolLM2-135M RTN INT4 (greedy parity, the API's chat answer). The start-up self-check is
 tested in test_selfcheck.py.
 
@@ -182,29 +183,54 @@ def test_fused_decode_launches_six_kernels_per_layer(be, stories):
     assert u.launches - n0 == 16 * cfg.num_hidden_layers + 3  # + embed, final norm, head
 
 
-def test_pending_ops_run_when_read_directly(be):
-    """Deferred ops are invisible to callers: reading any intermediate gives its value."""
-    rng = np.random.default_rng(3)
-    ref = ReferenceBackend()
+@pytest.mark.parametrize("kv", ["f32", "int8", "int4"])
+def test_decode_plan_gemma_blocks(be, kv):
+    """A Gemma-3-like model (QK-norm, sandwich norms, (1 + w) norms, GELU-tanh, ring
+    layers, one KV head) through the decode plan == the unfused composition (greedy, logits
+    within 1e-4); per layer 6 launches + one RMSNorm per QK-norm + (GEMV, norm, add) in
+    place of each fused residual: 12."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import tiny_gemma
+
+    cfg, tensors = tiny_gemma(vocab_size=512, hidden_size=64, intermediate_size=96,
+                              num_attention_heads=4)
+    out = {}
+    for fused in (True, False):
+        b = _with_fused(fused)
+        m = Transformer(cfg, tensors, b, 64)
+        cache = m.new_cache(48, kv, max_chunk=8)
+        assert (m.plan(cache) is not None) == fused
+        logits = m.forward(np.arange(1, 9, dtype=np.int32), cache)
+        toks, logs = [], [logits[-1]]
+        for _ in range(10):
+            toks.append(int(np.argmax(logits[-1])))
+            n0 = b.launches
+            logits = m.forward(np.array(toks[-1:], np.int32), cache)
+            logs.append(logits[-1])
+        if fused and kv == "f32":  # (a quantized cache launches RoPE and its write apart)
+            assert b.launches - n0 == 12 * cfg.num_hidden_layers + 2
+        out[fused] = toks, np.stack(logs)
+    assert out[True][0] == out[False][0]
+    assert _nerr(out[True][1], out[False][1]) < 1e-4
+
+
+def test_decode_plan_needs_row_kernels(be, stories):
+    """A weight wider than the row kernels stage (``kmax``) compiles no plan: the model
+    composes the single ops, with the reference's greedy tokens."""
+    import dataclasses
+
+    cfg, tensors = stories
     b = _with_fused(True)
-    x = rng.standard_normal((1, 64)).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
-    ws = [rng.standard_normal((n, 64)).astype(np.float32) * 0.1 for n in (64, 32, 32)]
-    bias = rng.standard_normal(32).astype(np.float32)
-    xd, nwd = b.upload(x), b.upload(nw)
-    h = b.rmsnorm(xd, nwd, 1e-5)
-    outs = [b.linear(h, b.upload_weight(ws[0])),
-            b.linear(h, b.upload_weight(ws[1]), b.upload(bias)),
-            b.linear(h, b.upload_weight(ws[2]))]
-    r = b.add(xd, outs[0])
-    hr = ref.rmsnorm(x, nw, 1e-5)
-    want = [hr @ ws[0].T, hr @ ws[1].T + bias, hr @ ws[2].T]
-    # read in an order that is not creation order; the norm is read last (still pending)
-    np.testing.assert_allclose(b.to_host(outs[2]), want[2], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(b.to_host(r), x + want[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(b.to_host(outs[1]), want[1], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(b.to_host(outs[0]), want[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(b.to_host(h), hr, rtol=1e-5, atol=1e-6)
+    b.caps = dataclasses.replace(b.caps, kmax=cfg.hidden_size)  # F > kmax: w_down too wide
+    m = Transformer(cfg, tensors, b)
+    cache = m.new_cache(16)
+    assert m.plan(cache) is None
+    toks, _ = _greedy(m, PROMPT, 8)
+    want, _ = _greedy(Transformer(cfg, tensors, ReferenceBackend()), PROMPT, 8)
+    assert toks == want
 
 
 # ---- SmolLM2-135M-Instruct, RTN INT4 g128 + INT8 embedding, quantized in-process ----------

@@ -248,8 +248,9 @@ def test_upload_weight_gives_back_the_source_pages(mapped):
 
 
 def test_fusing_qkv_frees_the_member_copies():
-    """linear_many concatenates q|k|v (gate|up) once; the members' own arrays must die
-    (they did: the freed heap is what the first-forward trims give back)."""
+    """group_linears concatenates q|k|v (gate|up) once; the members' own arrays die with
+    the handles the caller replaces by the group's (the model does: the freed heap is
+    what the first-forward trims give back)."""
     import gc
     import weakref
 
@@ -267,13 +268,14 @@ def test_fusing_qkv_frees_the_member_copies():
     old = [weakref.ref(a) for w in ws for a in (w.wp, w.sc, w.sz)]
     x = rng.standard_normal((5, 128)).astype(np.float32)
     want = [be.linear(x, w) for w in ws]
-    got = be.linear_many(x, ws, [None] * 3)
+    group = be.group_linears(ws, [None] * 3)
+    ws = list(group.weights)  # as the model does
+    got = be.linear_many(x, group)
     for g, y in zip(got, want):
         np.testing.assert_allclose(g, y, rtol=1e-5, atol=1e-5)
     gc.collect()
     assert all(r() is None for r in old)
-    cat = be._fused[tuple(map(id, ws)) + (id(None),) * 3][0]
-    assert all(np.shares_memory(w.wp, cat.wp) for w in ws)
+    assert all(np.shares_memory(w.wp, group.weight.wp) for w in ws)
 
 
 def test_prefill_gemm_writes_tiles_into_the_output():
@@ -344,7 +346,7 @@ def test_bench_peak_rss_within_target_smollm2(smollm2_gguf, tmp_path):
                     "-q"], check=True)
     # warm the Numba disk cache first: kernels compiled during the measured run (a fresh
     # install, or an edited kernel module) add LLVM's transient memory (measured: 349 MiB
-    # with backends/cpu/decode.py's kernels not yet cached, 258 MiB once they were)
+    # with backends/cpu/plan.py's kernels not yet cached, 258 MiB once they were)
     subprocess.run([str(exe), "bench", str(eif), "--prompt-tokens", "8", "--gen-tokens", "4",
                     "--repeat", "1", "--json", "-q"], check=True, capture_output=True)
     r = subprocess.run([str(exe), "bench", str(eif), "--prompt-tokens", "256", "--gen-tokens",

@@ -4,6 +4,7 @@ or killed write leaves no temporary file behind (the next write sweeps a killed 
 a full disk, a read-only folder or a folder as target is one clear error."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
@@ -305,15 +306,25 @@ def test_read_only_or_unwritable_folder(tmp_path, monkeypatch, code, expect):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 folder anyway: the mocked "
-                                               "EACCES/EROFS test above covers the message")
+def _without_dac_override() -> None:
+    """preexec_fn: under root, drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the
+    bounding set, so the exec'd CLI obeys file modes like any user (prctl PR_CAPBSET_DROP)."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def test_cli_convert_into_a_read_only_folder(tmp_path):
+    """A real EACCES from the file system, also under root (see _without_dac_override)."""
     folder = tmp_path / "ro"
     folder.mkdir()
     folder.chmod(0o555)
     try:
         line = one_error_line(run_cli("convert", str(STORIES), "-o", str(folder / "s.eif"),
-                                      "--method", "rtn", "-q"))
+                                      "--method", "rtn", "-q", preexec_fn=_without_dac_override))
         assert "permission denied" in line and str(folder) in line
         assert os.listdir(folder) == []
     finally:

@@ -177,3 +177,30 @@ def test_stream_text_is_exact_with_random_splits():
                 break
         out.append(c.flush())
         assert "".join(out) == "The answer is 42."
+
+
+# ---------------------------------------------------------------- through the engine
+def test_a_special_token_stop_string_stops_the_engine(smollm2_gguf):
+    """After a ChatML system turn SmolLM2 writes "<|im_start|>user\\n..." on its own.
+    <|im_start|> (id 1) is special but not an EOS id, and decodes to no text: a stop
+    string "<|im_start|>" must stop on the id (it never matched the text before)."""
+    from edgeinfer import api
+    from edgeinfer.readers import read_model
+
+    model = api.Model(read_model(str(smollm2_gguf)), backend="reference", n_ctx=128)
+    tok = model.tokenizer
+    assert tok.token_to_id("<|im_start|>") == 1 and 1 in tok.special_ids and 1 not in tok.eos_ids
+    prompt = model.encode_prompt("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                                 "trained by Hugging Face<|im_end|>\n")
+    free = [(ev.token, ev.text) for ev in model.engine.stream(prompt, max_tokens=4)]
+    assert [t for t, _ in free[:3]] == [1, 520, 9531]  # <|im_start|> "ass" "istant"
+    assert "".join(text for _, text in free).startswith("assistant\n")
+    events = list(model.engine.stream(prompt, max_tokens=4, stop=["<|im_start|>"]))
+    final = events[-1]
+    assert (final.finish_reason, final.stats.generated_tokens) == ("stop", 1)
+    assert "".join(ev.text for ev in events) == ""
+    # a text stop string next to it still works on the text
+    text, final = model.engine.generate(prompt, max_tokens=4, stop=["<|im_start|>", "istant"])
+    assert (text, final.finish_reason, final.stats.generated_tokens) == ("", "stop", 1)
+    text, final = model.engine.generate(prompt, max_tokens=4, stop=["istant"])
+    assert (text, final.finish_reason, final.stats.generated_tokens) == ("ass", "stop", 3)

@@ -8,13 +8,10 @@ memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does
 Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefill),
 :mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
-:mod:`._simd`. :meth:`CpuBackend.linear_many` fuses q/k/v and gate/up into one GEMV;
-for decode, :meth:`CpuBackend.attention_input` and :meth:`CpuBackend.attention_output_mlp`
-run each half of a decoder block as one Numba call (:mod:`.fused`) on preallocated scratch,
-and :meth:`CpuBackend.decoder_block` a whole plain pre-norm block as one call (f32/f16
-cache) or two (quantized cache) (:mod:`.decode`; dense float32 weights: BLAS GEMVs into
-scratch, :mod:`.stepwise`); with :meth:`CpuBackend.embed_step` and
-:meth:`CpuBackend.norm_logits` (into the caller's buffer) a decode step allocates nothing.
+:mod:`._simd`. :meth:`CpuBackend.group_linears` fuses q/k/v and gate/up into one weight
+(one GEMV, one GEMM). Decode steps run as a compiled plan (:mod:`.plan`: one or two
+Numba calls per layer for 4-bit plain blocks, :mod:`.stepwise` for the others), which
+allocates nothing.
 
 Threading: Numba's OpenMP pool for the decode kernels, started at import by
 :func:`.threads.start_threads` (workers sleep between regions, ``PASSIVE``, unless the
@@ -26,6 +23,7 @@ two spinning pools never fight over the cores. :func:`kernel_paths` and
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 from .threads import start_threads, threading_info
 
@@ -36,44 +34,54 @@ start_threads()
 import numba
 import numpy as np
 
-from ..base import Backend
+from ..base import Backend, LinearGroup
 from ..kvcache import HostKVCache, _rotate
 from ..osmemory import ForwardReleaser, private_file_view, release_mapped_pages
 from ..quantized import QuantizedTensor
 from . import _simd
-from . import decode as _decode
+from . import plan as _plan
+from .attention import ATTN_SERIAL_MAX, decode_scratch_shape
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
-from .attention import decode_scratch
 from .elementwise import (
+    PAR_MIN_ELEMS,
     dequant_rows_q4,
     dequant_rows_q8,
     glu_into,
+    is_gelu,
     rmsnorm_rows,
     rmsnorm_rows_par,
     rope_tokens,
     rope_tokens_par,
 )
-from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
-from .gemv import _NO_BIAS, SERIAL_MAX_BYTES, ActScratch, gemv_quant
-from .kvquant import attention_q, attention_q_serial, decode_scratch_q, kv_write_q
+from .gemv import ActScratch, gemv_quant
+from .kvquant import (
+    attention_q,
+    attention_q_serial,
+    decode_scratch_q_shape,
+    kv_write_q,
+    layer_arrays,
+)
 from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_view
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "kernel_paths", "physical_cores", "threading_info"]
 
 #: Token counts up to this use the integer GEMV once per token; above, dequant + BLAS.
 GEMV_MAX_T = 2
-_NO_POS = np.zeros(0, np.int64)
+_NO_POS = np.zeros(0, np.int64)  # f32 / f16 attention: positions = slots
 _NO_SCR = np.zeros((0, 0), np.float32)  # attention scratch: none (items allocate their own)
-_F32 = np.dtype(np.float32)
-#: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd is
-#: below this: measured on the shared 2-core host (load ~3), the serial kernel beat the
-#: parallel one at every context up to 2048 (SmolLM2: 38 vs 55 us at 128 keys, 485 vs
-#: 562 us at 2048; Qwen-0.5B 56 vs 79 and 708 vs 749 us).
-_ATTN_SERIAL_MAX = 2048 * 14 * 64
-#: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
-_PAR_MIN_ELEMS = 32768
+
+
+@dataclass(frozen=True, eq=False)
+class FusedLinears(LinearGroup):
+    """A :class:`LinearGroup` of repacked weights of one format concatenated row-wise:
+    ``weight`` (all members' rows) and ``bias`` (zeros where a member has none, or None);
+    member ``i`` is rows ``splits[i]``, and ``weights`` view that storage."""
+
+    weight: CpuQuantWeight = None
+    bias: np.ndarray | None = None
+    splits: tuple = ()
 
 
 def physical_cores() -> int:
@@ -106,19 +114,6 @@ def kernel_paths() -> dict[str, str]:
             "numba": numba.config.CPU_NAME or llb.get_host_cpu_name()}
 
 
-def _is_gelu(act: str) -> bool:
-    """True for GELU-tanh, False for SiLU gating.
-
-    Raises:
-        ValueError: any other activation name.
-    """
-    if act == "silu":
-        return False
-    if act == "gelu_tanh":
-        return True
-    raise ValueError(f"unsupported activation {act!r}")
-
-
 class CpuBackend(Backend):
     """Numba CPU implementation of :class:`~edgeinfer.backends.base.Backend`.
 
@@ -129,12 +124,12 @@ class CpuBackend(Backend):
             on the thread that runs the model) and the prefill GEMM tile workers.
         exact_decode: compute decode (T <= ``GEMV_MAX_T``) quantized linears like prefill
             (dequantized tiles + BLAS, float32 activations) instead of the int8-activation
-            integer GEMV: slower (every tile is dequantized per token), but logits match
-            the reference to ~1e-6 (the fast path to ~1e-2 normalized error, like
-            llama.cpp's Q8_0 activations). For parity tests and debugging.
+            integer GEMV, and compile no decode plan (the model composes the ops): slower,
+            but logits match the reference to ~1e-6 (the fast path to ~1e-2 normalized
+            error, like llama.cpp's Q8_0 activations). For parity tests and debugging.
 
-    One instance runs one forward at a time (activation scratch is shared); use one
-    backend per concurrent session.
+    One instance runs one forward at a time (activation and decode scratch are shared);
+    use one backend per concurrent session.
 
     Weight handles: float32 ndarray ``[out, in]`` (dense) or :class:`CpuQuantWeight`.
     Quantized weights whose scale groups straddle 32-column blocks (group size not a
@@ -150,12 +145,11 @@ class CpuBackend(Backend):
         self.threads = min(n, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(self.threads)
         self.exact_decode = bool(exact_decode)
-        self._act = ActScratch()
+        self.act_scratch = ActScratch()  # activation quantization buffers of the GEMVs
+        self.releaser = ForwardReleaser()  # memory given back after forwards (see logits)
         self._pool = GemmPool(self.threads)
-        self._fused: dict = {}  # linear_many: id tuple -> (weight, bias, splits, members)
-        self._dec: dict = {}  # fused decode halves: (op, id(first weight)) -> prepared call
         self._scr: dict = {}  # decode scratch buffers by (name, shape)
-        self._ids1 = np.zeros(1, np.int64)  # embed_step's row index
+        self._file_tables: list = []  # embeddings left in a file view (upload_embedding)
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
@@ -167,8 +161,7 @@ class CpuBackend(Backend):
 
         A quantized source that views a read-only file mapping (``.eif``) has its pages
         given back once copied (:func:`..osmemory.release_mapped_pages`), so loading never
-        holds the file's pages and the repacked copy at once (Qwen2.5-0.5B: load peak
-        1070 -> ~500 MiB)."""
+        holds the file's pages and the repacked copy at once."""
         if isinstance(w, QuantizedTensor):
             if blocks_align_with_groups(w):
                 out = repack(w)
@@ -182,15 +175,14 @@ class CpuBackend(Backend):
         """The embedding table (also the tied output head): as :meth:`upload_weight`,
         except an 8-bit table read from an ``.eif`` (a read-only file mapping), whose codes
         already have the kernels' layout: its codes are then a copy-on-write view of the
-        file (:func:`..osmemory.private_file_view`), not a copy. A lookup makes only
-        its rows resident; an untied table (Qwen2.5-0.5B: 130 MiB) never becomes resident
-        as a whole, a tied one streamed by the head GEMV is resident as file pages (as
-        much as the copy was). Same values, same kernels."""
+        file (:func:`..osmemory.private_file_view`), not a copy: a lookup makes only its
+        rows resident, so an untied table never becomes resident as a whole. Same values,
+        same kernels."""
         if isinstance(w, QuantizedTensor) and w.bits == 8:
             codes = private_file_view(w.qweight)
             out = None if codes is None else repack_q8_view(w, codes)
             if out is not None:  # its looked-up rows are given back after each prefill
-                self.__dict__.setdefault("_file_tables", []).append(out)
+                self._file_tables.append(out)
                 return out
         return self.upload_weight(w)
 
@@ -211,16 +203,9 @@ class CpuBackend(Backend):
 
         Also marks the start of a forward for the memory releases of :meth:`logits`."""
         ids = np.asarray(ids).reshape(-1)
-        rel = self.__dict__.get("_release")
-        if rel is None:
-            rel = self._release = ForwardReleaser()
-        rel.note_tokens(ids.shape[0])
+        self.releaser.note_tokens(ids.shape[0])
         if isinstance(table, CpuQuantWeight):
-            if ids.shape[0] == 1:  # decode: one id, no reductions
-                bad = not 0 <= int(ids[0]) < table.out_features
-            else:
-                bad = ids.size and (ids.min() < 0 or ids.max() >= table.out_features)
-            if bad:
+            if ids.size and (ids.min() < 0 or ids.max() >= table.out_features):
                 raise IndexError(f"token id out of range 0..{table.out_features - 1}")
             out = np.empty((ids.shape[0], table.in_features), np.float32)
             fn = dequant_rows_q4 if table.bits == 4 else dequant_rows_q8
@@ -232,32 +217,25 @@ class CpuBackend(Backend):
 
     def rmsnorm(self, x, w, eps, unit_offset=False):
         """y[..., N] = x / sqrt(mean(x**2) + eps) * (w | 1 + w) over the last axis, float32."""
-        if (x.__class__ is np.ndarray and x.ndim == 2 and x.shape[0] == 1
-                and x.dtype == np.float32 and x.flags.c_contiguous):  # decode: least Python
-            y = np.empty_like(x)
-            rmsnorm_rows(y, x, w, eps, unit_offset)
-            return y
         n = x.shape[-1]
         x2 = np.ascontiguousarray(x).reshape(-1, n)
         y = np.empty_like(x2)
-        fn = rmsnorm_rows_par if x2.size >= _PAR_MIN_ELEMS else rmsnorm_rows
+        fn = rmsnorm_rows_par if x2.size >= PAR_MIN_ELEMS else rmsnorm_rows
         fn(y, x2, w, float(eps), bool(unit_offset))
         return y.reshape(x.shape)
 
-    def logits(self, x, head, softcap=None):
+    def logits(self, x, head, softcap=None, norm=None):
         """Final projection x[T, D] @ head[V, D].T -> float32 [T, V] (the contract's).
 
         Then gives memory back (:class:`..osmemory.ForwardReleaser`): after a
         multi-token forward (prefill chunk) the freed heap and the rows an untied
         file-viewed embedding mapped (:meth:`upload_embedding`; a lookup maps whole page
-        cache folios: 27 MiB of Qwen2.5-0.5B's table after a 256-token prompt); after the
-        first forwards also the pages of the JIT compiler, idle once the kernels are
-        loaded. Decode steps that reach here cost one attribute test."""
-        y = super().logits(x, head, softcap)
-        rel = self.__dict__.get("_release")
-        if rel is not None and rel.due:  # file-viewed tables not streamed as the head
-            rel.after_forward(tuple(t.wp for t in self.__dict__.get("_file_tables", ())
-                                    if t is not head))
+        cache folios); after the first forwards also the pages of the JIT compiler, idle
+        once the kernels are loaded."""
+        y = super().logits(x, head, softcap, norm)
+        rel = self.releaser
+        if rel.due:  # file-viewed tables not streamed as the head
+            rel.after_forward(tuple(t.wp for t in self._file_tables if t is not head))
         return y
 
     def linear(self, x, w, bias=None):
@@ -272,9 +250,9 @@ class CpuBackend(Backend):
         """
         if (w.__class__ is CpuQuantWeight and x.ndim == 2 and x.shape[0] == 1
                 and x.shape[1] == w.in_features and not self.exact_decode):
-            # decode fast path: minimal Python per call (~0.2 ms per SmolLM2 token)
+            # one token: the least Python per call
             y = np.empty((1, w.out_features), np.float32)
-            gemv_quant(y[0], x[0], w, bias, self._act)
+            gemv_quant(y[0], x[0], w, bias, self.act_scratch)
             return y
         k = x.shape[-1]
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
@@ -285,7 +263,7 @@ class CpuBackend(Backend):
             if t <= GEMV_MAX_T and not self.exact_decode:
                 y = np.empty((t, w.out_features), np.float32)
                 for i in range(t):
-                    gemv_quant(y[i], x2[i], w, bias, self._act)
+                    gemv_quant(y[i], x2[i], w, bias, self.act_scratch)
             else:
                 y = gemm_quant(x2, w, bias, self._pool)
         elif t <= GEMV_MAX_T:
@@ -294,197 +272,69 @@ class CpuBackend(Backend):
                 y += bias
         else:
             y = gemm_dense(x2, w, bias, self._pool)
-        rel = self.__dict__.get("_release")
-        if rel is not None and rel.first:  # first forward: release after each layer
+        rel = self.releaser
+        if rel.first:  # first forward: release after each layer
             rel.after_op()
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
-    def linear_many(self, x, ws, biases):
-        """[x @ W_i.T (+ b_i)] for weights sharing the input (q/k/v, gate/up).
-
-        Quantized weights of one format (bits, in_features, blocks, groups) are fused on
-        first use: their repacked rows are concatenated once and each member's arrays
-        become views into the concatenation (no extra memory), so every later call
-        quantizes ``x`` once and runs one GEMV (one parallel region) or one prefill GEMM.
-        Other weight mixes fall back to one :meth:`linear` per weight.
-        """
-        key = tuple(map(id, ws)) + tuple(map(id, biases))
-        f = self._fused.get(key)
-        if f is None:
-            f = self._fuse(ws, biases)
-            self._fused[key] = f
-        if f is False:
-            return [self.linear(x, w, b) for w, b in zip(ws, biases)]
-        y = self.linear(x, f[0], f[1])
-        return [y[..., a:b] for a, b in f[2]]
-
-    # ---- fused decode halves (T = 1): one Numba call each, no allocation -------------
-    def _scratch(self, name, shape):
-        """A float32 scratch array, allocated once per (name, shape)."""
-        key = (name, shape)
-        a = self._scr.get(key)
-        if a is None:
-            a = self._scr[key] = np.zeros(shape, np.float32)
-        return a
-
-    def _fused_q4(self, ws, biases):
-        """The fused 4-bit weight of ``ws`` (see :meth:`linear_many`), or None."""
-        key = tuple(map(id, ws)) + tuple(map(id, biases))
-        f = self._fused.get(key)
-        if f is None:
-            f = self._fused[key] = self._fuse(ws, biases)
-        return f if f is not False and f[0].bits == 4 else None
-
-    @staticmethod
-    def _decode_row(x, n):
-        """x is a float32 [1, n] ndarray (contiguity is not needed: a strided row only
-        compiles another specialization of the kernel)."""
-        return x.__class__ is np.ndarray and x.shape == (1, n) and x.dtype is _F32
-
-    def attention_input(self, x, norm_w, eps, unit_offset, ws, biases, cos, sin, positions,
-                        heads):
-        """See :meth:`Backend.attention_input`. Decode (T = 1) with 4-bit q/k/v weights of
-        one format: one call of :func:`.fused.qkv_rope_par` (``_ser`` for weights up to
-        ``SERIAL_MAX_BYTES``) into per-layer scratch; q, k, v are views of it, valid until
-        this layer's next call. Otherwise the contract's composition of ops."""
-        e = self._dec.get(("qkv", id(ws[0])))
-        if e is None:
-            e = self._dec[("qkv", id(ws[0]))] = self._prep_qkv(x, norm_w, ws, biases, heads)
-        if (e is False or e[9] is not norm_w or e[12][1] is not ws[1] or e[12][2] is not ws[2]
-                or e[10] != heads or self.exact_decode or not self._decode_row(x, e[11])
-                or positions.shape[0] != 1):
-            return super().attention_input(x, norm_w, eps, unit_offset, ws, biases, cos, sin,
-                                           positions, heads)
-        hq, hkv, hd = heads
-        e[0](e[1], x, norm_w, eps, unit_offset, e[2], e[3], e[4], e[5], cos, sin,
-             int(positions[0]), hq, hkv, hd)
-        return e[6], e[7], e[8]
-
-    def _prep_qkv(self, x, norm_w, ws, biases, heads):
-        f = self._fused_q4(ws, biases)
-        hq, hkv, hd = heads
-        if f is None or f[0].out_features != (hq + 2 * hkv) * hd:
-            return False
-        w = f[0]
-        y = np.zeros(w.out_features, np.float32)  # per layer: q/k/v views outlive the call
-        q = y[:hq * hd].reshape(1, hq, hd)
-        k = y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd)
-        v = y[(hq + hkv) * hd:].reshape(1, hkv, hd)
-        fn = qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else qkv_rope_par
-        bias = _NO_BIAS if f[1] is None else f[1]
-        return (fn, y, self._scratch("h", (w.in_features,)), (w.wp, w.sc, w.sz, w.bmap), bias,
-                self._act.get(w.n_blocks, w.n_groups), q, k, v, norm_w, tuple(heads),
-                w.in_features, list(ws), list(biases))
-
-    def decoder_block(self, x, blk, positions, cache, layer):
-        """See :meth:`Backend.decoder_block`. Decode (T = 1) over an f32/f16 (linear) or
-        int8/int4/k8v4 cache, nothing allocated: a plain block with 4-bit weights of one
-        format in one or two Numba calls (:mod:`.decode`), any other block (dense or mixed
-        weights, QK-norm / sandwich norms) one op at a time on scratch (:mod:`.stepwise`);
-        the result is the [1, D] scratch of :meth:`attention_output_mlp`. Otherwise the
-        contract's composition."""
-        y = _decode.decoder_block(self, x, blk, positions, cache, layer)
-        if y is None:
-            return super().decoder_block(x, blk, positions, cache, layer)
-        return y
-
-    def embed_step(self, table, ids, scale=1.0):
-        """See :meth:`Backend.embed_step`: one id (decode) is written into a [1, D] scratch
-        array, valid until the next call (:func:`.decode.embed_step`); else :meth:`embed`."""
-        if self.__dict__.get("_release") is None:  # as embed (see logits: memory releases)
-            self._release = ForwardReleaser()
-        y = _decode.embed_step(self, table, ids, scale)
-        return self.embed(table, ids, scale) if y is None else y
-
-    def norm_logits(self, x, norm_w, eps, unit_offset, head, softcap=None, out=None):
-        """See :meth:`Backend.norm_logits`. Decode ([1, D] input, 4-/8-bit or dense head):
-        the norm into scratch, the head GEMV straight into ``out`` (or a new array),
-        softcap in place (:func:`.decode.norm_logits`); else the contract's composition."""
-        y = _decode.norm_logits(self, x, norm_w, eps, unit_offset, head, softcap, out)
-        if y is None:
-            return super().norm_logits(x, norm_w, eps, unit_offset, head, softcap, out)
-        rel = self.__dict__.get("_release")
-        if rel is not None and rel.due:  # as logits: the first forwards give memory back
-            rel.after_forward()
-        return y
-
-    def attention_output_mlp(self, x, a, wo, norm_w, eps, unit_offset, w_gate, w_up, w_down,
-                             act="silu"):
-        """See :meth:`Backend.attention_output_mlp`. Decode (T = 1) with 4-bit weights: one
-        call of :func:`.fused.out_mlp_par` (``_ser`` when gate/up fit
-        ``SERIAL_MAX_BYTES``); the result is a [1, D] scratch array shared by all layers,
-        valid until the next call. Otherwise the contract's composition of ops.
-
-        Raises:
-            ValueError: unknown activation.
-        """
-        gelu = _is_gelu(act)
-        e = self._dec.get(("mlp", id(wo)))
-        if e is None:
-            e = self._dec[("mlp", id(wo))] = self._prep_mlp(wo, w_gate, w_up, w_down)
-        if (e is False or e[7] is not w_gate or e[8] is not w_down or e[12] is not w_up
-                or self.exact_decode or not self._decode_row(x, e[9])
-                or not self._decode_row(a, e[10])):
-            return super().attention_output_mlp(x, a, wo, norm_w, eps, unit_offset, w_gate,
-                                                w_up, w_down, act)
-        e[0](e[1], x, a, norm_w, eps, unit_offset, gelu, e[2], e[3], e[4], e[5][0], e[5][1],
-             e[5][2], e[6], _NO_BIAS)
-        return e[1]
-
-    def _prep_mlp(self, wo, w_gate, w_up, w_down):
-        f = self._fused_q4([w_gate, w_up], [None, None])
-        ok = (f is not None and all(w.__class__ is CpuQuantWeight and w.bits == 4
-                                    for w in (wo, w_down))
-              and wo.out_features == w_down.out_features == f[0].in_features
-              and w_down.in_features == w_gate.out_features == w_up.out_features)
-        if not ok:
-            return False
-        wgu = f[0]
-        d, ff = wo.out_features, w_gate.out_features
-        acts = tuple(self._act.get(w.n_blocks, w.n_groups) for w in (wo, wgu, w_down))
-        nob = (self._scratch("o", (d,)), self._scratch("h", (d,)),
-               self._scratch("gu", (2 * ff,)), self._scratch("m", (ff,)))
-        fn = out_mlp_ser if wgu.nbytes <= SERIAL_MAX_BYTES else out_mlp_par
-        return (fn, self._scratch("xo", (1, d)), (wo.wp, wo.sc, wo.sz, wo.bmap),
-                (wgu.wp, wgu.sc, wgu.sz, wgu.bmap), (w_down.wp, w_down.sc, w_down.sz,
-                                                     w_down.bmap),
-                acts, nob, w_gate, w_down, d, wo.in_features, wo, w_up)
-
-    @staticmethod
-    def _fuse(ws, biases):
+    def group_linears(self, ws, biases):
+        """q/k/v or gate/up as one weight when all are repacked of one format (bits,
+        in_features, blocks, groups): their rows concatenated once, the members' handles
+        returned as views into it (:class:`FusedLinears`; the given handles are not
+        modified, and their own copies die with them), so :meth:`linear_many` quantizes
+        ``x`` once and runs one GEMV (one parallel region) or one prefill GEMM. Other
+        mixes: the handles as they are."""
         w0 = ws[0]
         if len(ws) < 2 or any(
                 w.__class__ is not CpuQuantWeight or w.bits != w0.bits
                 or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
                 or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
                 or not np.array_equal(w.bmap, w0.bmap) for w in ws):
-            return False
+            return super().group_linears(ws, biases)
         cat = CpuQuantWeight(w0.bits, sum(w.out_features for w in ws), w0.in_features,
                              w0.group_size, w0.n_blocks,
                              np.concatenate([w.wp for w in ws]),
                              np.concatenate([w.sc for w in ws]),
                              np.concatenate([w.sz for w in ws]), w0.bmap)
-        splits, r = [], 0
-        for w in ws:  # members now view the fused storage (the old copies are freed)
+        splits, members, r = [], [], 0
+        for w in ws:
             a, r = r, r + w.out_features
-            w.wp, w.sc, w.sz = cat.wp[a:r], cat.sc[a:r], cat.sz[a:r]
+            members.append(replace(w, wp=cat.wp[a:r], sc=cat.sc[a:r], sz=cat.sz[a:r]))
             splits.append((a, r))
         bias = None
         if any(b is not None for b in biases):
             bias = np.concatenate([np.zeros(w.out_features, np.float32) if b is None
                                    else np.asarray(b, np.float32) for w, b in zip(ws, biases)])
-        return cat, bias, splits, list(ws)
+        return FusedLinears(tuple(members), tuple(biases), cat, bias, tuple(splits))
+
+    def linear_many(self, x, group):
+        """[x @ W_i.T (+ b_i)] for the members of ``group``: one :meth:`linear` on a
+        :class:`FusedLinears` weight (column views of its output), else one per member."""
+        if group.__class__ is FusedLinears:
+            y = self.linear(x, group.weight, group.bias)
+            return [y[..., a:b] for a, b in group.splits]
+        return [self.linear(x, w, b) for w, b in zip(group.weights, group.biases)]
+
+    # ---- decode --------------------------------------------------------------------------
+    def scratch(self, name: str, shape: tuple) -> np.ndarray:
+        """A float32 scratch array of this backend, allocated once per (name, shape)."""
+        key = (name, shape)
+        a = self._scr.get(key)
+        if a is None:
+            a = self._scr[key] = np.zeros(shape, np.float32)
+        return a
+
+    def compile_decode(self, step, cache):
+        """A :class:`.plan.CpuDecodePlan` of ``step`` over ``cache`` (see :mod:`.plan`), or
+        None with ``exact_decode`` or a cache that is not a ``HostKVCache``."""
+        return _plan.compile_decode(self, step, cache)
 
     def rope(self, x, cos, sin, positions):
         """Rotate x[T, H, hd] (NeoX pairing) by tables cos/sin [P, r/2] at positions [T]."""
-        if x.shape[0] == 1 and x.flags.c_contiguous and positions.dtype.kind == "i":
-            y = np.empty_like(x)  # decode: least Python
-            rope_tokens(y, x, cos, sin, positions)
-            return y
         x = np.ascontiguousarray(x)
         y = np.empty_like(x)
         pos = positions if positions.dtype.kind == "i" else np.asarray(positions, np.int64)
-        fn = rope_tokens_par if x.size >= _PAR_MIN_ELEMS else rope_tokens
+        fn = rope_tokens_par if x.size >= PAR_MIN_ELEMS else rope_tokens
         fn(y, x, cos, sin, pos)
         return y
 
@@ -495,7 +345,7 @@ class CpuBackend(Backend):
         int8/int4/k8v4 caches (linear or ring) are encoded and read in place by
         :mod:`.kvquant` (never dequantized to a float copy); f32/f16 rings use the
         cache's numpy ``write`` / ``read_positions``. Decode over fewer than
-        ``_ATTN_SERIAL_MAX`` key elements runs single-threaded.
+        ``ATTN_SERIAL_MAX`` key elements runs single-threaded.
 
         Raises:
             ValueError: the positions do not fit in the cache.
@@ -507,10 +357,9 @@ class CpuBackend(Backend):
         v = np.ascontiguousarray(v, dtype=np.float32)
         out = np.empty((t, hq, hd), np.float32)
         win, cap = int(window or 0), float(softcap or 0.0)
-        raw = cache.raw(layer) if hasattr(cache, "raw") else {"k": cache.k[layer],
-                                                              "v": cache.v[layer]}
-        ring = hasattr(cache, "positions") and cache.positions(layer) is not None
-        if "k_q" in raw and getattr(cache, "rotate_k", False):
+        raw = cache.raw(layer)
+        ring = cache.positions(layer) is not None
+        if "k_q" in raw and cache.rotate_k:
             return self._attention_q(out, q, k, v, cache, layer, int(start_pos), float(scale),
                                      win, cap, ring)
         kc = raw.get("k")
@@ -518,9 +367,10 @@ class CpuBackend(Backend):
             vc = raw["v"]
             if kc.dtype == np.float16:  # the kernel converts (and saturates) bits itself
                 kc, vc = kc.view(np.uint16), vc.view(np.uint16)
-            fn = (_attention_serial if t == 1 and (start_pos + 1) * hq * hd <= _ATTN_SERIAL_MAX
+            fn = (_attention_serial if t == 1 and (start_pos + 1) * hq * hd <= ATTN_SERIAL_MAX
                   else _attention)
-            scr = decode_scratch(cache, hq, hd) if t == 1 else _NO_SCR  # decode: no allocation
+            scr = (self.scratch("attn_items", decode_scratch_shape(cache, hq, hd)) if t == 1
+                   else _NO_SCR)
             fn(out, q, k, v, kc, vc, _NO_POS, True, int(start_pos), float(scale), win, cap, scr)
             return out
         # quantized or ring storage: the cache encodes/decodes, the kernel masks by position
@@ -534,26 +384,8 @@ class CpuBackend(Backend):
     def _attention_q(self, out, q, k, v, cache, layer, start, scale, win, cap, ring):
         """Quantized cache (int8 / int4 / k8v4, linear or ring): encode in place, attend
         over the codes (:mod:`.kvquant`); nothing is dequantized to a float copy."""
-        views = cache.__dict__.get("_cpu_qviews")
-        if views is None:
-            views = cache._cpu_qviews = {}
-        a = views.get(layer)
-        if a is None:
-            raw = cache.raw(layer)
-
-            def bits(name):
-                arr = raw.get(name)
-                return None if arr is None else arr.view(np.uint16)
-
-            pos = cache.positions(layer) if ring else None
-            shp = (cache.n_kv_heads, cache.head_dim)  # int4's K channel m, c (8-bit K: 0, 1)
-            a = (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
-                 bits("v_min"), _NO_POS if pos is None else pos,
-                 np.ascontiguousarray(cache._h, np.float32), cache.group_size,
-                 raw.get("k_off", np.zeros(shp, np.float32)),
-                 raw.get("k_cs", np.ones(shp, np.float32)))
-            views[layer] = a
-        kq, ks, kmin, vq, vs, vmin, pos, hmat, g, koff, kcs = a
+        kq, ks, kmin, vq, vs, vmin, pos, hmat, koff, kcs = layer_arrays(cache, layer)
+        g = cache.group_size
         t = k.shape[0]
         if ring and t > cache.slots[layer] - (cache.window_sizes[layer] - 1):
             raise ValueError(
@@ -565,8 +397,10 @@ class CpuBackend(Backend):
                    pos, start, g)
         n_keys = kq.shape[0] if ring else start + t
         fn = (attention_q_serial if t == 1 and n_keys * q.shape[1] * q.shape[2]
-              <= _ATTN_SERIAL_MAX else attention_q)
-        scr = decode_scratch_q(cache, q.shape[1], q.shape[2]) if t == 1 else _NO_SCR
+              <= ATTN_SERIAL_MAX else attention_q)
+        scr = (self.scratch("attn_items_q", decode_scratch_q_shape(cache, q.shape[1],
+                                                                    q.shape[2]))
+               if t == 1 else _NO_SCR)
         fn(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, pos, start, scale, win, cap, scr)
         return out
 
@@ -578,7 +412,7 @@ class CpuBackend(Backend):
             ValueError: unknown activation.
         """
         g = np.asarray(gate, dtype=np.float32)
-        return glu_into(np.empty_like(g), g, up, _is_gelu(act))
+        return glu_into(np.empty_like(g), g, up, is_gelu(act))
 
     def add(self, a, b):
         """Elementwise a + b (numpy; one call, no Numba dispatch needed)."""

@@ -14,19 +14,13 @@ path in the backend: the cache's own ``write`` and ``read_positions``, then this
 over the returned float32 rows with their explicit positions.
 
 Decode (T = 1) items take their scores, scaled queries and accumulator from a scratch
-array allocated once per cache (:func:`decode_scratch`), so a decode step allocates
+array allocated once (:func:`decode_scratch_shape`), so a decode step allocates
 nothing in the kernel; prefill items allocate their own (O(S) each, amortized over T).
 
 :func:`attention_serial` is the same work items on the calling thread: the backend uses
 it for decode over short contexts, where the fork/join of a parallel region costs more
-than it saves on a shared 2-core host (measured: SmolLM2 decode at 256 keys 157 us per
-layer parallel vs 25 us serial at load ~3).
-
-Measured (one core, SmolLM2 shapes: Hq 9, Hkv 3, hd 64): decode at 320 keys ~70 us per
-layer before the vectorized exp (QK 27, exp 17, PV 25), ~55 us after; a 256-token
-prefill ~5 ms per layer. A BLAS variant (per KV head S = Q K^T, P V in 128-query
-blocks) was no faster at these sizes (numpy mask / exp passes) and made the OpenBLAS
-and Numba thread pools compete, so it was dropped.
+than it saves on a shared 2-core host. (Timings, and why no BLAS variant:
+benchmarks/MEASUREMENTS.md.)
 """
 from __future__ import annotations
 
@@ -40,6 +34,9 @@ from ._simd import f32_to_half, half_to_f32, i32_as_f32
 
 #: Fast-math without "no infs / no NaNs": masked scores are -inf and must stay so.
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
+#: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd
+#: is below this (a parallel region's fork/join costs more at short contexts).
+ATTN_SERIAL_MAX = 2048 * 14 * 64
 
 
 def _load(v):  # pragma: no cover - replaced by the overload inside Numba
@@ -97,7 +94,7 @@ def attention(out, q, k, v, kc, vc, kpos, write, start, scale, window, softcap, 
         scale: score multiplier (1/sqrt(hd) usually).
         window: sliding window (query p sees keys > p - window), 0 for none.
         softcap: tanh soft-capping of scores, 0 for none.
-        scr: float32 [rows, cols] per-item scratch (:func:`decode_scratch`), or [0, 0]:
+        scr: float32 [rows, cols] per-item scratch (:func:`decode_scratch_shape`), or [0, 0]:
             an item whose row is missing or too short allocates its own (prefill).
     """
     t_n, hq = q.shape[0], q.shape[1]
@@ -120,20 +117,13 @@ def attention_serial(out, q, k, v, kc, vc, kpos, write, start, scale, window, so
         _attn_item(item, out, q, kc, vc, kpos, start, scale, window, softcap, 1, scr)
 
 
-def decode_scratch(cache, hq: int, hd: int) -> np.ndarray:
-    """The decode scratch of ``cache``, allocated once on first use and kept on it.
-
-    float32 ``[2 * Hkv, grp * (S + 2 * hd)]`` (``grp = hq / Hkv``, ``S`` = the most slots
-    of a layer): one row per decode work item (scores, scaled query heads, accumulator),
-    so that a decode step allocates nothing in the kernel (llama2.c's ``RunState``).
-    """
-    scr = cache.__dict__.get("_cpu_attn_scratch")
-    if scr is None or scr.shape[1] < (hq // cache.n_kv_heads) * 2 * hd:
-        n = max(getattr(cache, "slots", [cache.max_tokens]))
-        scr = np.empty((2 * cache.n_kv_heads, (hq // cache.n_kv_heads) * (n + 2 * hd)),
-                       np.float32)
-        cache._cpu_attn_scratch = scr
-    return scr
+def decode_scratch_shape(cache, hq: int, hd: int) -> tuple[int, int]:
+    """Shape of the decode work-item scratch for ``cache``: float32
+    ``[2 * Hkv, grp * (S + 2 * hd)]`` (``grp = hq / Hkv``, ``S`` = the most slots of a
+    layer), one row per item (scores, scaled query heads, accumulator), so that a decode
+    step allocates nothing in the kernel (llama2.c's ``RunState``)."""
+    n = max(getattr(cache, "slots", [cache.max_tokens]))
+    return 2 * cache.n_kv_heads, (hq // cache.n_kv_heads) * (n + 2 * hd)
 
 
 @njit(cache=True, inline="always")

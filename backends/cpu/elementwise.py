@@ -12,6 +12,22 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+#: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
+PAR_MIN_ELEMS = 32768
+
+
+def is_gelu(act: str) -> bool:
+    """True for GELU-tanh, False for SiLU gating.
+
+    Raises:
+        ValueError: any other activation name.
+    """
+    if act == "silu":
+        return False
+    if act == "gelu_tanh":
+        return True
+    raise ValueError(f"unsupported activation {act!r}")
+
 
 # ---- RMSNorm -------------------------------------------------------------------------
 @njit(cache=True, fastmath=True, inline="always")
@@ -89,11 +105,9 @@ def glu_into(y, g, up, gelu):
     """``y[..., F] = act(g) * up`` in place of ``y`` (float32, same shape as ``g`` and
     ``up``; may not alias ``g``); act SiLU, or GELU-tanh when ``gelu``. Allocates nothing.
 
-    numpy ufuncs (SIMD exp / tanh, ~1 ns per element), not Numba: a scalar libm ``exp`` per
-    element in Numba measured 10 ns (15 us for F = 1536); a Numba SiLU kernel with the
-    Cephes ``exp_neg`` of :mod:`.attention` measured 7.9 us for F = 1536 (not vectorized
-    with the sign select), no faster than these ufuncs. Constants are float32 [1] arrays:
-    a scalar operand would allocate a 0-d array per ufunc call.
+    numpy ufuncs (SIMD exp / tanh), not Numba, whose scalar libm ``exp`` per element is
+    ~10x slower (benchmarks/MEASUREMENTS.md). Constants are float32 [1] arrays: a scalar
+    operand would allocate a 0-d array per ufunc call.
     """
     if gelu:  # 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * up
         np.multiply(g, g, out=y)

@@ -1,10 +1,10 @@
 """Fused decode (T = 1) kernels: the two halves of a pre-norm decoder block around attention.
 
-One Numba call per half instead of one Python call per op (a SmolLM2 step is 30 layers of
-~12 small ops; their Python dispatch was 18-30% of the step):
+One Numba call per half instead of one Python call per op (a decode step is dozens of
+small ops per layer, whose Python dispatch would be a large share of the step):
 
 * :func:`qkv_rope` — ``h = rmsnorm(x)``; ``y = Wqkv @ h (+ b)`` (the fused q/k/v weight
-  of :meth:`CpuBackend.linear_many`); RoPE on the q and k parts of ``y``, in place.
+  of :meth:`CpuBackend.group_linears`); RoPE on the q and k parts of ``y``, in place.
 * :func:`out_mlp` — ``x1 = x + Wo @ a``; ``h = rmsnorm(x1)``; ``g, u = Wgu @ h``;
   ``m = act(g) * u``; ``x_out = x1 + Wd @ m``.
 

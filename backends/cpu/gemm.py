@@ -8,10 +8,8 @@ sgemm). No full float copy of the weight ever exists. Results are float32 math o
 exactly-dequantized weights (no activation rounding): ~1e-6 relative to the reference.
 
 Threading: tiles run on a small pool of Python threads, each with OpenBLAS limited to
-one thread *for that thread only* (``openblas_set_num_threads_local``). Measured on
-this machine kind with other processes competing (SmolLM2, 6 layers, 256 tokens):
-3.3-4.3 s with Numba-parallel dequantization + OpenBLAS's own 2 threads (two spinning
-thread pools fighting for 2 cores), 0.67-0.87 s with this design.
+one thread *for that thread only* (``openblas_set_num_threads_local``), so that two
+spinning thread pools never fight for the cores (benchmarks/MEASUREMENTS.md).
 """
 from __future__ import annotations
 

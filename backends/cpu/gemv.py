@@ -23,12 +23,10 @@ from numba import njit, prange
 from ._simd import q4_rows1, q4_rows4, q8_rows1, q8_rows4
 
 BLOCK = 32
-#: Weights up to this many packed bytes run on one thread. A parallel region costs ~3 us
-#: of fork/join on 2 quiet cores (one core streams ~30 KB meanwhile), and far more when
-#: other processes compete: SmolLM2 decode with other sessions' jobs on the 2 cores
-#: (load ~5) ran at 33.5 / 36.1 / 41.7 tok/s (medians of 3) with 64 KiB / 256 KiB /
-#: 1 MiB here, 37.6 with one thread; repeat runs were noisier than those gaps. 256 KiB
-#: keeps the 0.5 MB MLP weights of SmolLM2 and everything of Qwen-0.5B's MLP parallel.
+#: Weights up to this many packed bytes run on one thread: a parallel region costs ~3 us
+#: of fork/join on 2 quiet cores (one core streams ~30 KB meanwhile), far more under
+#: load. 256 KiB keeps SmolLM2's 0.5 MB MLP weights and all of Qwen-0.5B's MLP parallel
+#: (the runs behind it: benchmarks/MEASUREMENTS.md).
 SERIAL_MAX_BYTES = 256 * 1024
 
 

@@ -19,7 +19,7 @@ as their uint16 bits):
   probability; int4: per group ``p * s * code + p * m``).
 
 Decode (T = 1) work items take every buffer (scores, rotated query heads, accumulator,
-a dequantized row) from a per-cache scratch (:func:`decode_scratch_q`), so a decode step
+a dequantized row) from a per-cache scratch (:func:`decode_scratch_q_shape`), so a decode step
 allocates nothing inside the kernels; prefill items allocate their own.
 
 Format selection is static: ``kmin is None`` means 8-bit symmetric K (int8, k8v4),
@@ -229,7 +229,7 @@ def _ov_v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):
 def _item_scratch_q(scr, item, gn, n, hd, ng):
     """(s [gn, n], qs [gn, hd], acc [gn, hd], qsum [gn, ng], qm [gn], row_f [hd]) float32,
     qs / acc / qsum / qm zeroed: views of ``scr[item]`` when that row is long enough
-    (decode, :func:`decode_scratch_q`), else fresh arrays (prefill: O(S) per item)."""
+    (decode, :func:`decode_scratch_q_shape`), else fresh arrays (prefill: O(S) per item)."""
     need = gn * (n + 2 * hd + ng + 1) + hd
     if item < scr.shape[0] and need <= scr.shape[1]:
         row = scr[item]
@@ -252,21 +252,33 @@ def _item_scratch_q(scr, item, gn, n, hd, ng):
     return s, qs, acc, qsum, qm, row_f
 
 
-def decode_scratch_q(cache, hq: int, hd: int) -> np.ndarray:
-    """The quantized-cache decode scratch of ``cache``, allocated once and kept on it.
+def layer_arrays(cache, layer: int) -> tuple:
+    """(kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs) of a quantized host cache's
+    layer as :func:`kv_write_q` / :func:`attention_q` take them: float16 scales as their
+    uint16 bits (None where the format has none), ``kpos`` a ring's position table or
+    int64 [0], ``hmat`` the cache's rotation, int4's K channel offset and scale (else 0
+    and 1)."""
+    raw = cache.raw(layer)
 
-    float32 ``[2 * Hkv, grp * (S + 2 hd + hd / G + 1) + hd]`` (``grp = Hq / Hkv``, ``S``
-    the most slots of a layer, ``G`` the cache's group size): one row per decode work
-    item (:func:`_item_scratch_q`), so that a decode step allocates nothing here.
-    """
+    def bits(name):
+        arr = raw.get(name)
+        return None if arr is None else arr.view(np.uint16)
+    pos = cache.positions(layer)
+    shp = (cache.n_kv_heads, cache.head_dim)
+    return (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
+            bits("v_min"), np.zeros(0, np.int64) if pos is None else pos, cache.rotation,
+            raw.get("k_off", np.zeros(shp, np.float32)),
+            raw.get("k_cs", np.ones(shp, np.float32)))
+
+
+def decode_scratch_q_shape(cache, hq: int, hd: int) -> tuple[int, int]:
+    """Shape of the quantized-cache decode scratch for ``cache``: float32
+    ``[2 * Hkv, grp * (S + 2 hd + hd / G + 1) + hd]`` (``grp = Hq / Hkv``, ``S`` the most
+    slots of a layer, ``G`` the cache's group size), one row per decode work item
+    (:func:`_item_scratch_q`), so that a decode step allocates nothing here."""
     hkv, g = cache.n_kv_heads, cache.group_size
-    grp = hq // hkv
     n = max(getattr(cache, "slots", [cache.max_tokens]))
-    cols = grp * (n + 2 * hd + hd // g + 1) + hd
-    scr = cache.__dict__.get("_cpu_attnq_scratch")
-    if scr is None or scr.shape[1] < cols:
-        scr = cache._cpu_attnq_scratch = np.empty((2 * hkv, cols), np.float32)
-    return scr
+    return 2 * hkv, (hq // hkv) * (n + 2 * hd + hd // g + 1) + hd
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
@@ -328,7 +340,7 @@ def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start
             + q . m``, one rotation and one dot per query head.
         kpos: int64 [S] position of each slot (ring), or [0]: slot j = position j.
         start, scale, window, softcap: as :func:`.attention.attention`.
-        scr: float32 per-item scratch (:func:`decode_scratch_q`), or [0, 0]: items whose
+        scr: float32 per-item scratch (:func:`decode_scratch_q_shape`), or [0, 0]: items whose
             row is missing or too short allocate their own (prefill).
     """
     t_n, hq, hd = q.shape

@@ -4,7 +4,7 @@
 // layer, W - 1 + max_chunk for a sliding-window one: edgeinfer.backends.kvcache's rule,
 // so every key a query can see is still held). Element type per variant KV_HALF:
 // fp16 storage via vstore_half / vload_half (core OpenCL, no cl_khr_fp16 needed), values
-// saturated to +-FP16_MAX on store so an outlier never becomes inf (case C23).
+// saturated to +-FP16_MAX on store so an outlier never becomes inf.
 // All score and softmax arithmetic is float32.
 
 #if KV_HALF
@@ -77,7 +77,7 @@ __kernel void rope_kv_write(__global float* qo, __global KV_T* kc, __global KV_T
 // j read from slot j % S of the layer at element layer_off.
 // One work-group per (h, t). Keys are visited in blocks of LWS (one key per item) with
 // an online softmax (Milakov & Gimelshein 2018; FlashAttention): running max m and
-// denominator l in float32, scores max-subtracted before exp, so large |q.k| (C23a)
+// denominator l in float32, scores max-subtracted before exp, so large |q.k|
 // cannot overflow; masked keys get weight exactly 0. Every row sees at least its own key,
 // so l >= 1; the l > 0 guard documents the (unreachable) empty row as output 0, not NaN.
 // Optional logit soft-capping: s = tanh(s / softcap) * softcap (gemma2-style).

@@ -5,32 +5,22 @@ the device; the only device->host copy of a step is the final logits row. Dispat
 ``linear`` with T == 1 uses the GEMV kernels (one work-group per row block), T > 1 (or a
 group size the word-wise GEMV cannot take) the tiled GEMM.
 
-Fused decode (``caps.fused``: CPU devices such as PoCL, where every launch costs tens of
-microseconds). With T == 1, ``rmsnorm`` (one row), ``linear``, ``add`` of a pending
-``linear`` and ``rope`` return tensors whose kernel is *pending* (``_Block.node``);
-reading a tensor's ``buf`` enqueues its pending op, so every op stays correct on its own.
-Consumers that recognise a pending producer fuse it instead (``fused.cl``):
-
-* ``linear`` x3 on the same input (q/k/v) -> one ``gemv_rows`` launch when the first is read;
-* a pending ``rmsnorm`` as a GEMV input -> computed in that GEMV's prologue;
-* ``glu(linear(h, gate), linear(h, up))`` -> one launch;
-* ``add(x, linear(a, W))`` -> the residual added in the GEMV's epilogue;
-* ``attention(rope(q), rope(k), v)`` on an f32/f16 cache -> one ``rope_kv_write`` launch
-  (rotated q, rotated k and v into the cache) before the attention kernel.
-
-A llama decoder layer is then 6 launches (was 16) and no step synchronizes with the
-host except the logits read. Pending ops hold references to their inputs, never to
-their own output block (no reference cycles: blocks return to the pool immediately).
+CPU devices such as PoCL (``caps.fused``), where every launch costs tens of
+microseconds: linears run the row kernels of ``fused.cl`` (prefill: one launch with a
+token loop), and a decode step is a compiled plan (:mod:`.plan`) that fuses the input
+norm into the q/k/v launch, RoPE into the KV write, the residual adds into the GEMVs and
+the GLU into the gate/up launch: a llama layer is 6 launches instead of 16, and no step
+synchronizes with the host except the logits read.
 """
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 
 from ..base import Backend
 from ..quantized import QuantizedTensor
+from . import plan as _plan
 from .attention_q import attention_q
 from .device import (
     OpenCLUnavailableError,
@@ -55,59 +45,6 @@ _F_BIAS = (64, 128, 256)
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-# ---- pending (deferred) ops of the fused decode path ---------------------------------------
-# Each is stored on the output's _Block and run by DeviceTensor.buf (or fused by a consumer).
-# run() must clear blk.node before enqueuing, and a node never references its own block.
-
-class _NormNode:
-    """Pending y[1, N] = rmsnorm(x[1, N])."""
-
-    __slots__ = ("be", "eps", "off", "w", "x")
-
-    def __init__(self, be, x, w, eps, off):
-        self.be, self.x, self.w, self.eps, self.off = be, x, w, eps, off
-
-    def run(self, blk):
-        blk.node = None
-        self.be._rmsnorm_into(blk.buf, self.x, self.w, self.eps, self.off)
-
-
-class _Group:
-    """Pending GEMVs on one input that launch together (q/k/v):
-    [(weakref(block), weakref(node))]; weak both ways, so no node <-> group cycle keeps
-    buffers from returning to the pool."""
-
-    __slots__ = ("closed", "key", "members")
-
-    def __init__(self, key):
-        self.key, self.members, self.closed = key, [], False
-
-
-class _GemvNode:
-    """Pending y[1, N] = x[1, K] @ W.T (+ bias) (+ res)."""
-
-    __slots__ = ("__weakref__", "be", "bias", "group", "res", "w", "x")
-
-    def __init__(self, be, x, w, bias, res, group):
-        self.be, self.x, self.w, self.bias, self.res, self.group = be, x, w, bias, res, group
-
-    def run(self, blk):
-        self.be._run_gemv(self, blk)
-
-
-class _RopeNode:
-    """Pending y[1, H, hd] = rope(x) at position p0."""
-
-    __slots__ = ("be", "cos", "p0", "sin", "x")
-
-    def __init__(self, be, x, cos, sin, p0):
-        self.be, self.x, self.cos, self.sin, self.p0 = be, x, cos, sin, p0
-
-    def run(self, blk):
-        blk.node = None
-        self.be._rope_into(blk.buf, self.x, self.cos, self.sin, self.p0, None)
 
 
 class OpenCLBackend(Backend):
@@ -151,7 +88,6 @@ class OpenCLBackend(Backend):
         # global size, and PoCL compiles a kernel once per local size.
         self._ew = (min(64, self.caps.max_wg),)
         self._ew2 = (self._ew[0], 1)
-        self._group: _Group | None = None  # the open q/k/v group of the fused path
         self.launches = 0  # kernels enqueued so far (tests and benchmarks count them)
 
     def __repr__(self) -> str:
@@ -165,7 +101,7 @@ class OpenCLBackend(Backend):
 
     @property
     def fused(self) -> bool:
-        """Whether T == 1 ops are deferred and fused (see the module docstring)."""
+        """Whether linears run the row kernels and decode steps a plan (module docstring)."""
         return self.caps.fused
 
     def _row_ok(self, w: DeviceWeight) -> bool:
@@ -234,6 +170,22 @@ class OpenCLBackend(Backend):
         return DeviceKVCache(self.context, self.queue, n_layers, n_kv_heads, head_dim,
                              max_tokens, dtype, window_sizes, max_chunk)
 
+    def logits(self, x, head, softcap=None, norm=None):
+        """See :meth:`Backend.logits`. On a CPU device one row's norm and projection are one
+        row-kernel launch (the norm in its prologue)."""
+        x = self._check(x, "x")
+        if (norm is not None and self.caps.fused and isinstance(head, DeviceWeight)
+                and self._row_ok(head) and x.size == x.shape[-1] <= self.caps.kmax):
+            y = self._new((1, head.out_features))
+            kern, g, l, args = self.rows_launch(x, [(y.buf, head, None)], norm=norm)
+            self.launches += 1
+            kern(self.queue, g, l, *args)
+            out = self.to_host(y)
+            if softcap:
+                out = np.tanh(out / softcap) * softcap
+            return out
+        return super().logits(x, head, softcap, norm)
+
     def reshape(self, x, shape):
         """A view of x with a new shape (no copy)."""
         return self._check(x, "x").reshape(shape)
@@ -246,7 +198,7 @@ class OpenCLBackend(Backend):
             raise ValueError("select_rows supports contiguous slices only")
         n = max(stop - start, 0)
         if start == 0 and n == x.shape[0]:
-            return x  # the whole tensor (decode's last row): no copy, pending ops stay fusable
+            return x  # the whole tensor (the last row of one): no copy
         row_bytes = x.nbytes // max(x.shape[0], 1)
         y = self._new((n,) + x.shape[1:], x.dtype)
         if n:
@@ -271,7 +223,13 @@ class OpenCLBackend(Backend):
         y = self._new((t, d))
         if t == 0:
             return y
-        idt = self._host_ints(ids)
+        self._embed_into(y, self._host_ints(ids), table, scale)
+        return y
+
+    def _embed_into(self, y: DeviceTensor, idt: DeviceTensor, table: DeviceWeight, scale):
+        """The embedding launch: rows ``idt`` (int32 [T] on the device) of ``table`` times
+        ``scale`` into ``y`` [T, D]."""
+        t, d = idt.size, table.shape[1]
         g = (_round_up(d, self._ew[0]), t)
         if table.fmt == "f32":
             self._k("dense.cl", "embed_f32")(self.queue, g, self._ew2, y.buf, idt.buf, table.codes,
@@ -285,7 +243,6 @@ class OpenCLBackend(Backend):
             self._k("quant.cl", "embed_q8", SCALE_HALF=int(table.scale_half))(
                 self.queue, g, self._ew2, y.buf, idt.buf, table.codes, table.scales, _I(d),
                 _I(table.stride), _I(table.n_groups), _I(table.group_size), _F(scale))
-        return y
 
     def rmsnorm(self, x, w, eps, unit_offset=False):
         """y[..., N] = x / sqrt(mean(x**2) + eps) * (w or 1 + w) over the last axis."""
@@ -294,9 +251,6 @@ class OpenCLBackend(Backend):
         if w.size != n:
             raise ValueError(f"rmsnorm weight has {w.size} elements for rows of {n}")
         y = self._new(x.shape)
-        if self.caps.fused and x.size == n and n <= self.caps.kmax:
-            y._block.node = _NormNode(self, x, w, eps, bool(unit_offset))
-            return y
         self._rmsnorm_into(y.buf, x, w, eps, unit_offset)
         return y
 
@@ -320,22 +274,10 @@ class OpenCLBackend(Backend):
         y = self._new((t, n))
         has_b = bias is not None
         c = self.caps
-        if t == 1 and c.fused and self._row_ok(w):
-            if has_b:
-                self._check(bias, "bias")
-            key = (id(x._block), w.fmt, w.stride, w.n_groups, w.group_size,
-                   w.zeros is not None, k)
-            g = self._group
-            if g is None or g.closed or g.key != key or len(g.members) >= 3:
-                g = self._group = _Group(key)
-            node = _GemvNode(self, x, w, bias, None, g)
-            g.members.append((weakref.ref(y._block), weakref.ref(node)))
-            y._block.node = node
-            return y
         b = self._check(bias, "bias").buf if has_b else None
-        if c.fused and t > 1 and self._row_ok(w):
-            # prefill on a CPU device: the row kernel with a token loop (gemm.cl's tiles
-            # and barriers are slow under PoCL)
+        if c.fused and self._row_ok(w):
+            # a CPU device: the row kernel with a token loop (gemm.cl's tiles and barriers
+            # are slow under PoCL)
             kw = -(-k // 8)
             wpg = kw if (w.fmt == "f32" or w.n_groups == 1) else w.group_size // 8
             flags = (_F_ZEROS if w.zeros is not None else 0) | (_F_BIAS[0] if has_b else 0)
@@ -389,9 +331,6 @@ class OpenCLBackend(Backend):
         if t == 0:
             return y
         p0 = int(positions[0])
-        if t == 1 and self.caps.fused:
-            y._block.node = _RopeNode(self, x, cos, sin, p0)
-            return y
         contiguous = bool(np.array_equal(positions, np.arange(p0, p0 + t)))
         self._rope_into(y.buf, x, cos, sin, p0, None if contiguous else positions)
         return y
@@ -411,7 +350,8 @@ class OpenCLBackend(Backend):
 
         Query t (position p = start_pos + t), head h attends keys max(0, p - window + 1)
         .. p of KV head h // (Hq / Hkv); scores q.k * scale (tanh soft-capped if
-        ``softcap``), softmax in float32 with the running max subtracted (case C23). The
+        ``softcap``), softmax in float32 with the running max subtracted
+        (https://github.com/huggingface/transformers/pull/17306). The
         cache may be f32 / f16 (attention.cl) or int8 / int4 / k8v4 (attention_q.cl); positions
         live in slot ``p % S`` of the layer's ring (:mod:`.kvcache`).
 
@@ -439,24 +379,20 @@ class OpenCLBackend(Backend):
             return attention_q(self, out, q, k, v, cache, layer, start_pos, scale, window,
                                softcap, ring)
         off = cache.layer_offset(layer)
-        kv_half = int(cache.dtype == "f16")
         n = t * hkv * hd
-        qn, kn = q.pending, k.pending
-        if (t == 1 and isinstance(qn, _RopeNode) and isinstance(kn, _RopeNode)
-                and qn.cos is kn.cos and qn.sin is kn.sin and qn.p0 == kn.p0 == start_pos
-                and qn.x.size == q.size and kn.x.size == k.size):
-            # rope(q), rope(k) and the cache write in one launch; k's own buffer is never
-            # needed (its pending rope still runs if someone reads it)
-            q._block.node = None
-            total = (hq + 2 * hkv) * hd
-            self._k("attention.cl", "rope_kv_write", KV_HALF=kv_half)(
-                self.queue, self._gsize(total), self._ew, q.buf, cache.k, cache.v, qn.x.buf,
-                kn.x.buf, v.buf, qn.cos.buf, qn.sin.buf, _I(start_pos), _I(hq), _I(hkv),
-                _I(hd), _I(qn.cos.shape[1]), _I(off + start_pos % ring * hkv * hd))
-        else:
-            self._k("attention.cl", "kv_write", KV_HALF=kv_half)(
-                self.queue, self._gsize(n), self._ew, cache.k, cache.v, k.buf, v.buf,
-                _I(off), _I(start_pos), _I(ring), _I(hkv * hd), _I(n))
+        self._k("attention.cl", "kv_write", KV_HALF=int(cache.dtype == "f16"))(
+            self.queue, self._gsize(n), self._ew, cache.k, cache.v, k.buf, v.buf,
+            _I(off), _I(start_pos), _I(ring), _I(hkv * hd), _I(n))
+        return self._attend(out, q, cache, layer, start_pos, ring, scale, window, softcap)
+
+    def _attend(self, out, q, cache, layer, start_pos, ring, scale, window, softcap):
+        """The attention launch(es) of :meth:`attention` over an f32 / f16 cache whose
+        keys are written: ``out`` [T, Hq, hd] from ``q`` [T, Hq, hd]; split over the keys
+        for a long context and few queries."""
+        t, hq, hd = q.shape
+        hkv = cache.n_kv_heads
+        off = cache.layer_offset(layer)
+        kv_half = int(cache.dtype == "f16")
         lws = self.caps.lws
         c = self.caps.split_kv_chunk
         n_keys = start_pos + t if window is None else min(start_pos + t, window + t - 1)
@@ -487,14 +423,6 @@ class OpenCLBackend(Backend):
             raise ValueError(f"glu shapes differ: {gate.shape} vs {up.shape}")
         y = self._new(gate.shape)
         n = gate.size
-        gn, un = gate.pending, up.pending
-        if (isinstance(gn, _GemvNode) and isinstance(un, _GemvNode) and gn.res is None
-                and un.res is None and gn.x._block is un.x._block
-                and gn.w.out_features == n and un.w.out_features == n
-                and self._compatible(gn.w, un.w)):
-            self._launch_rows(gn.x, [(y.buf, gn.w, gn.bias), (None, un.w, un.bias)],
-                              glu=_ACTS[act])
-            return y
         self._k("dense.cl", "glu")(self.queue, self._gsize(n), self._ew, y.buf, gate.buf, up.buf,
                                    _I(n), _I(_ACTS[act]))
         return y
@@ -506,49 +434,54 @@ class OpenCLBackend(Backend):
             raise ValueError(f"add shapes differ: {a.shape} vs {b.shape}")
         y = self._new(a.shape)
         n = a.size
-        for p, r in ((b, a), (a, b)):
-            nd = p.pending
-            if isinstance(nd, _GemvNode) and nd.res is None and nd.w.out_features == n:
-                y._block.node = _GemvNode(self, nd.x, nd.w, nd.bias, r, None)
-                return y
         self._k("dense.cl", "add")(self.queue, self._gsize(n), self._ew, y.buf, a.buf, b.buf, _I(n))
         return y
 
-    # ---- fused decode: GEMV launches ------------------------------------------------------
+    # ---- the decode plan --------------------------------------------------------------
+    def compile_decode(self, step, cache):
+        """A :class:`.plan.OpenCLDecodePlan` on a CPU device (``caps.fused``) whose every
+        linear takes the row kernels, else None (see :mod:`.plan`)."""
+        if not self.caps.fused or not isinstance(cache, DeviceKVCache):
+            return None
+        return _plan.compile_decode(self, step, cache)
+
+    @staticmethod
+    def activation_code(act: str) -> int:
+        """The kernels' code of a GLU activation (0 SiLU, 1 GELU-tanh).
+
+        Raises:
+            ValueError: unsupported activation.
+        """
+        if act not in _ACTS:
+            raise ValueError(f"unsupported activation {act!r}")
+        return _ACTS[act]
+
     @staticmethod
     def _compatible(a: DeviceWeight, b: DeviceWeight) -> bool:
+        """Whether two weights on one input can share a ``gemv_rows`` launch."""
         return (a.fmt == b.fmt and a.stride == b.stride and a.n_groups == b.n_groups
                 and a.group_size == b.group_size and a.in_features == b.in_features
                 and (a.zeros is None) == (b.zeros is None))
 
-    def _run_gemv(self, node: _GemvNode, blk) -> None:
-        """Enqueue a pending GEMV, with every still-pending member of its q/k/v group."""
-        members = []
-        g = node.group
-        if g is not None and not g.closed:
-            g.closed = True
-            for bref, nref in g.members:
-                b, nd = bref(), nref()
-                if b is not None and nd is not None and b.node is nd and nd.x._block is node.x._block:
-                    members.append((b, nd))
-            g.members.clear()
-        if not any(b is blk for b, _ in members):
-            members = [(blk, node)]
-        for b, _ in members:
-            b.node = None
-        self._launch_rows(node.x, [(b.buf, nd.w, nd.bias) for b, nd in members], res=node.res)
+    def rows_launch(self, x: DeviceTensor, outs, res=None, glu=None, norm=None):
+        """The kernel and arguments of one ``gemv_rows`` launch (enqueue with
+        ``kernel(queue, gsize, lsize, *args)``): ``outs`` [(out buffer, weight, bias)]
+        (1-3 compatible weights on input ``x`` [1, K]; with ``glu`` (0 SiLU, 1 GELU) two,
+        gate then up, the first buffer receiving ``act(gate) * up``), ``res`` a [1, N]
+        tensor added to the output, ``norm`` = (w, eps, unit_offset): ``x`` is first
+        RMS-normalized in the prologue.
 
-    def _launch_rows(self, x: DeviceTensor, outs, res=None, glu=None) -> None:
-        """One ``gemv_rows`` launch: ``outs`` [(out buffer, weight, bias)] (1-3 weights on
-        the same input; with ``glu`` two: gate, up). A pending rmsnorm of ``x`` is fused."""
+        Returns:
+            (kernel, gsize, lsize, args).
+        """
         w0 = outs[0][1]
         flags = _F_ZEROS if w0.zeros is not None else 0
-        nn = x.pending
-        if isinstance(nn, _NormNode):
-            flags |= _F_NORM | (_F_NORM_OFF if nn.off else 0)
-            xin, normw, eps = nn.x, nn.w.buf, nn.eps
+        if norm is not None:
+            normw, eps, off = norm
+            flags |= _F_NORM | (_F_NORM_OFF if off else 0)
+            normw = normw.buf
         else:
-            xin, normw, eps = x, None, 0.0
+            normw, eps = None, 0.0
         if res is not None:
             flags |= _F_RES
         if glu is not None:
@@ -576,8 +509,9 @@ class OpenCLBackend(Backend):
         if glu is not None:
             ys[1] = None
         r = self.caps.rlws
-        self._k("fused.cl", "gemv_rows", WFMT=_WFMT[w0.fmt], RLWS=r, KMAX=self.caps.kmax)(
-            self.queue, (_round_up(rows, r),), (r,), ys[0], ys[1], ys[2], xin.buf, normw,
-            None if res is None else res.buf, *args[0], *args[1], *args[2],
-            _I(ns[0]), _I(ns[1]), _I(ns[2]), _I(k), _I(kw), _I(w0.stride), _I(w0.n_groups),
-            _I(wpg), _I(flags), _F(eps))
+        kern = self._dc.kernel("fused.cl", "gemv_rows", WFMT=_WFMT[w0.fmt], RLWS=r,
+                               KMAX=self.caps.kmax)
+        return (kern, (_round_up(rows, r),), (r,),
+                (ys[0], ys[1], ys[2], x.buf, normw, None if res is None else res.buf,
+                 *args[0], *args[1], *args[2], _I(ns[0]), _I(ns[1]), _I(ns[2]), _I(k),
+                 _I(kw), _I(w0.stride), _I(w0.n_groups), _I(wpg), _I(flags), _F(eps)))

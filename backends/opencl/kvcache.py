@@ -5,7 +5,8 @@ as int8 and V as int4, :mod:`edgeinfer.backends.kvformat`).
 Same bookkeeping as :class:`edgeinfer.backends.kvcache.HostKVCache` (``length``,
 ``trim``, ``reset``, overflow check, sizes) so the engine treats both alike; the data
 never leaves the device except through :meth:`DeviceKVCache.raw` / ``read`` (tests,
-debugging). fp16 storage saturates at +-65504 on write instead of becoming inf (case C23).
+debugging). fp16 storage saturates at +-65504 on write instead of becoming inf
+(https://github.com/huggingface/transformers/pull/17306).
 int4's K channel statistics (offset m, scale c per layer, KV head and channel; 4-bit K
 only: k8v4's 8-bit K has none, as on the host) are computed on the host by the same
 :func:`~edgeinfer.backends.kvcache.k_channel_stats` from the first rows of a write at

@@ -56,18 +56,12 @@ class BufferPool:
 
 
 class _Block:
-    """Owns one pooled buffer; returns it to the pool when collected.
+    """Owns one pooled buffer; returns it to the pool when collected."""
 
-    ``node`` is the pending (not yet enqueued) op that will write the buffer, or None:
-    the OpenCL backend defers some decode ops so that it can fuse them (see
-    ``backend.py``); reading :attr:`DeviceTensor.buf` enqueues the pending op first.
-    """
-
-    __slots__ = ("__weakref__", "buf", "node", "pool", "size")
+    __slots__ = ("buf", "pool", "size")
 
     def __init__(self, buf, size: int, pool: BufferPool | None):
         self.buf, self.size, self.pool = buf, size, pool
-        self.node = None
 
     def __del__(self):
         if self.pool is not None:  # owned (non-pooled) buffers are simply freed
@@ -91,16 +85,8 @@ class DeviceTensor:
 
     @property
     def buf(self):
-        """The buffer, after enqueuing the op that computes it if that op is still pending."""
-        b = self._block
-        if b.node is not None:
-            b.node.run(b)
-        return b.buf
-
-    @property
-    def pending(self):
-        """The pending op that will write this tensor's buffer, or None."""
-        return self._block.node
+        """The ``cl.Buffer``."""
+        return self._block.buf
 
     @property
     def size(self) -> int:

@@ -1,0 +1,145 @@
+"""Round-to-nearest on an error-minimising grid: per group, the scale and zero point that
+minimise the (importance-weighted) squared error of the dequantized weights.
+
+The search follows llama.cpp's k-quant search (``make_qkx2_quants`` in
+``ggml-quants.c``: candidate scales ``range / (n_levels - 1 + δ)`` on a grid of ``δ``,
+each followed by a weighted least-squares refit of the scale for the codes it gives,
+the best kept), adapted to this layout (:mod:`edgeinfer.backends.quantized`): the zero
+point is an integer code (not a float minimum), so for each candidate scale it is
+``round(−min / s)``, the scale stored is the fp16 value the search scored, and RTN's own
+grid (:func:`~edgeinfer.quant.rtn.group_params`) is the first candidate, so no group
+is worse than RTN.
+
+All math in float32 (the weights are float32), vectorized over every group of a tensor
+in row blocks (bounded temporaries).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
+from .rtn import SCALE_EPS, assemble, group_params, resolve_group, storage_scales
+
+#: the candidate grid: scale = range / (15 + δ) (asymmetric) or absmax / (7.5 + δ / 2)
+#: (symmetric); δ < 0 widens the grid, δ > 0 clips the extremes.
+DELTAS = (-0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)
+
+
+def _fp16_up(s: np.ndarray) -> np.ndarray:
+    """float32 scales rounded up to fp16 values (as float32), floored at SCALE_EPS."""
+    s = np.maximum(s, np.float32(SCALE_EPS))
+    with np.errstate(over="ignore"):
+        h = s.astype(np.float16)
+    low = h.astype(np.float32) < s
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h.astype(np.float32)
+
+
+def _codes(wg, s, z):
+    q = np.rint(wg / s[..., None])
+    q += z[..., None]
+    return np.clip(q, 0.0, 15.0, out=q)
+
+
+def _err(wg, a, q, s, z):
+    d = (q - z[..., None]) * s[..., None] - wg
+    d *= d
+    if a is not None:
+        d *= a
+    return d.sum(axis=-1)
+
+
+def search_group_params(wg: np.ndarray, a: np.ndarray | None, symmetric: bool = False,
+                        deltas=DELTAS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scale, zero and codes minimising ``Σ a (w − (q − z) s)²`` per group.
+
+    Args:
+        wg: float32 ``[..., g]`` grouped weights.
+        a: float32 importance broadcastable to ``wg`` (e.g. ``[g]`` or ``[1, n_groups, g]``),
+            or None for plain squared error.
+        symmetric: zero point fixed at 8.
+
+    Returns:
+        ``(s, z, q)``: float32 scales (fp16 values), zero points and codes (``wg.shape``).
+    """
+    lo = np.minimum(wg.min(axis=-1), 0.0)
+    hi = np.maximum(wg.max(axis=-1), 0.0)
+    if symmetric:
+        # the largest magnitude on the edge code of its sign: -8 s (negative) or 7 s
+        amax = np.maximum(-lo / 8.0, hi / 7.0)
+    best_e = np.full(wg.shape[:-1], np.inf, np.float32)
+    best_s = np.zeros(wg.shape[:-1], np.float32)
+    best_z = np.zeros(wg.shape[:-1], np.float32)
+    zsym = np.full(wg.shape[:-1], np.float32(SYMMETRIC_ZERO_4BIT))
+    for d in (None, *deltas):
+        if d is None:  # RTN's own grid first: the result is never worse than RTN's
+            s, z = (v.astype(np.float32) for v in group_params(wg.astype(np.float64), 4, symmetric))
+        elif symmetric:
+            s = _fp16_up(amax * np.float32(15.0 / (15.0 + d)))
+            z = zsym
+        else:
+            s = _fp16_up((hi - lo) / np.float32(15.0 + d))
+            z = np.clip(np.rint(-lo / s), 0.0, 15.0)
+        q = _codes(wg, s, z)
+        # weighted least-squares scale for these codes, then re-rounded
+        qz = q - z[..., None]
+        aq = qz if a is None else qz * a
+        num = (aq * wg).sum(axis=-1)
+        den = (aq * qz).sum(axis=-1)
+        s2 = _fp16_up(np.where(den > 0, num / np.where(den > 0, den, 1), s))
+        for cand in (s, s2):
+            qc = _codes(wg, cand, z)
+            e = _err(wg, a, qc, cand, z)
+            better = e < best_e
+            best_e[better], best_s[better], best_z[better] = e[better], cand[better], z[better]
+    return best_s, best_z, _codes(wg, best_s, best_z)
+
+
+def quantize_mse(w: np.ndarray, group_size: int = 128, symmetric: bool = False,
+                 importance: np.ndarray | None = None, *, name: str = "",
+                 rows: int = 512) -> QuantizedTensor:
+    """4-bit group quantization of ``w [out, in]`` on the error-minimising grid (module doc).
+
+    Args:
+        w: float ``[out, in]``; ``in`` not divisible by ``group_size`` is zero-padded as
+            :func:`~edgeinfer.quant.rtn.quantize_rtn` (padded columns get weight 0).
+        group_size, symmetric: the layout (see :mod:`.rtn`).
+        importance: optional non-negative per-input-column weights ``[in]`` (e.g. mean
+            squared activations): the error of column ``j`` counts ``importance[j]`` times.
+        name: tensor name for messages. rows: rows per block (memory bound).
+
+    Returns:
+        QuantizedTensor with ``method="mse"``.
+
+    Raises:
+        ValueError: non-finite weights or importance, bad shape.
+    """
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"{name or 'weight'}: expected a 2-D [out, in] weight, got {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError(f"{name or 'weight'}: contains NaN or inf; cannot quantize")
+    out, n_in = w.shape
+    g, in_pad = resolve_group(n_in, group_size, 4)
+    a = None
+    if importance is not None:
+        imp = np.asarray(importance, np.float32).reshape(-1)
+        if imp.shape != (n_in,) or not np.isfinite(imp).all() or (imp < 0).any():
+            raise ValueError(f"{name}: importance must be {n_in} finite non-negative values")
+        a = np.zeros(in_pad, np.float32)
+        a[:n_in] = imp / max(float(imp.mean()), 1e-30)
+        a = a.reshape(1, in_pad // g, g)
+    S = np.empty((out, in_pad // g), np.float32)
+    Z = np.empty_like(S)
+    codes = np.empty((out, in_pad), np.uint8)
+    for r in range(0, out, rows):
+        blk = np.zeros((min(rows, out - r), in_pad), np.float32)
+        blk[:, :n_in] = w[r:r + rows]
+        s, z, q = search_group_params(blk.reshape(len(blk), in_pad // g, g), a, symmetric)
+        S[r:r + rows], Z[r:r + rows] = s, z
+        q = q.reshape(len(blk), in_pad)
+        if in_pad != n_in:  # padded columns hold the zero point: dequantize to exactly 0
+            q[:, n_in:] = np.repeat(z, g, axis=1)[:, n_in:]
+        codes[r:r + rows] = q
+    scales = storage_scales(S.astype(np.float64), name)
+    return assemble(codes, scales, None if symmetric else Z.astype(np.float64), 4, g, n_in, "mse")
