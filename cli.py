@@ -1,6 +1,7 @@
 """The ``edgeinfer`` command: argument parsing and user-facing output only.
 
-Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve, devices. Errors that
+Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve, devices,
+list, rm, ps. Errors that
 edgeinfer raises on purpose print as one line (``error: ...``) with exit status 1.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _add_runtime_args(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--device", default=None, help="OpenCL device index or name")
     p.add_argument("--ctx", type=int, default=None,
-                   help="context length in tokens (default: what --max-memory allows, else 4096)")
+                   help="context length in tokens (default 4096, lowered to what --max-memory "
+                        "allows; at most the model's positions)")
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
                    help="KV cache dtype (default int8)")
     p.add_argument("--max-memory", type=float, default=None, metavar="MB",
@@ -73,6 +75,33 @@ def _sampling(args, model=None) -> dict:
     return {**model.sampling_defaults(CHAT_BASE), **given}
 
 
+def _constraint(args) -> dict:
+    """``json_schema=`` / ``grammar=`` from --json-schema / --grammar FILE (read and
+    compiled before the model loads, so a bad file costs no load).
+
+    Raises:
+        GrammarError: the file is not a valid JSON schema / grammar.
+        FileNotFoundError: no such file.
+    """
+    from edgeinfer.constrained import Grammar
+
+    if getattr(args, "json_schema", None):
+        with open(args.json_schema, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return {"grammar": Grammar.from_json_schema(text)}
+        except EdgeInferError as e:
+            raise type(e)(f"--json-schema {args.json_schema}: {e}") from None
+    if getattr(args, "grammar", None):
+        with open(args.grammar, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return {"grammar": Grammar.from_lark(text)}
+        except EdgeInferError as e:
+            raise type(e)(f"--grammar {args.grammar}: {e}") from None
+    return {}
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -84,19 +113,48 @@ def _first_run_convert(*args, **kw):
     return convert(*args, **kw)
 
 
-def _load(args):
-    """The ``--model``; a catalog name runs as its INT4 ``.eif`` (made on first use)."""
+def _load(args, warm: bool = False):
+    """The ``--model``; a catalog name runs as its INT4 ``.eif`` (made on first use).
+
+    Kernels that are not compiled yet (a fresh install) are compiled here, before any
+    prompt, with a progress line; ``warm`` also loads already-compiled ones (the server,
+    whose first request should not pay for it)."""
     from edgeinfer import api
     from edgeinfer.catalog import resolve_model
     from edgeinfer.readers import read_model
+
+    from edgeinfer.model_store import record_use
 
     quiet = getattr(args, "quiet", False)
     path = resolve_model(args.model, progress=not quiet, prepare_int4=True,
                          converter=_first_run_convert,
                          notify=None if quiet else _say)
-    return api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
-                     kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
-                     prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
+    model = api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
+                      kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
+                      prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
+    record_use(path)
+    if warm or model.kernels_cold:
+        _warm_up(model, quiet)
+    return model
+
+
+def _warm_up(model, quiet: bool) -> None:
+    """Compile (fresh install) or load the kernels before the first prompt, with a
+    progress line on stderr: the first answer must not stall after its first word."""
+    import time
+
+    cold = model.kernels_cold
+    t0 = time.perf_counter()
+    if quiet:
+        model.warm_up()
+        return
+    head = ("compiling CPU kernels (first run only, 15-60 s; cached for later runs):" if cold
+            else "loading kernels:")
+    sys.stderr.write(head)
+    sys.stderr.flush()
+    model.warm_up(progress=lambda stage: (sys.stderr.write(f" {stage}..."), sys.stderr.flush()))
+    sys.stderr.write(f" done in {time.perf_counter() - t0:.1f} s\n")
+    sys.stderr.flush()
 
 
 def _compile_notice(model) -> None:
@@ -155,6 +213,8 @@ def cmd_info(args) -> int:
             "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
         }
     plan = None
+    from edgeinfer.memory import context_length
+
     if args.max_memory is not None:
         from edgeinfer.api import DEFAULT_KV_DTYPE, source_weight_bytes
         from edgeinfer.memory import format_plan, plan_memory
@@ -162,6 +222,11 @@ def cmd_info(args) -> int:
         plan = plan_memory(src.config, source_weight_bytes(src, args.backend or "cpu"),
                            args.max_memory, args.kv_dtype or DEFAULT_KV_DTYPE, args.prefill_chunk)
         info["memory_plan"] = dataclasses.asdict(plan)
+    # the context chat/generate/serve would run with (one rule), and the model's limit
+    model_max = src.config.max_position_embeddings
+    info.pop("context", None)
+    info = {"context": context_length(model_max, None, plan.max_context if plan else None),
+            "model_context": model_max, **info}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -177,11 +242,12 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    constrained = _constraint(args)
     model = _load(args)
-    _compile_notice(model)
     final = None
     for ev in model.stream(args.prompt, parse_special=args.parse_special,
-                           max_tokens=args.max_tokens, stop=args.stop, **_sampling(args)):
+                           max_tokens=args.max_tokens, stop=args.stop,
+                           **constrained, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -206,16 +272,35 @@ def cmd_chat(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from edgeinfer.catalog import CATALOG, catalog_source, resolve_model
+    from edgeinfer.model_store import parse_ref, variant_path
     from edgeinfer.quant.convert import convert
 
-    from edgeinfer.catalog import resolve_model
-
-    src = resolve_model(args.model, progress=not args.quiet)
-    report = convert(str(src), args.output, method=args.method, bits=args.bits,
+    name, variant = (parse_ref(args.model) if not os.path.exists(args.model)
+                     else (args.model, None))
+    from_catalog = name in CATALOG and variant in (None, "gguf")
+    out = args.output
+    if out is None:
+        if not from_catalog:
+            print("error: --output is required unless MODEL is a catalog name (which is "
+                  f"written into the models cache as NAME:{args.method})", file=sys.stderr)
+            return 2
+        out = variant_path(name, args.method)
+        if out.exists() and not args.force:
+            print(f"error: {name}:{args.method} exists ({out}); remove it first with "
+                  f"`edgeinfer rm {name}:{args.method}`, or pass --force", file=sys.stderr)
+            return 1
+        out.parent.mkdir(parents=True, exist_ok=True)
+    # a catalog GGUF carries no sampling settings: its entry's go into the file
+    src = (catalog_source(name, progress=not args.quiet) if from_catalog
+           else str(resolve_model(args.model, progress=not args.quiet)))
+    report = convert(src, str(out), method=args.method, bits=args.bits,
                      group_size=args.group_size, symmetric=args.symmetric,
                      embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
                      seed=args.seed, act_order=args.act_order, progress=not args.quiet,
                      overwrite=args.force)
+    if args.output is None:
+        report["model"] = f"{name}:{args.method}"
     if args.json:
         print(json.dumps(report, default=str))
     else:
@@ -232,7 +317,8 @@ def cmd_convert(args) -> int:
                  else f"{other} ({asked} divides no row)")
         lin = [v for k, v in d["bits_per_weight_by_kind"].items() if k in ("attention", "mlp")]
         lin_s = f", linear layers {min(lin):.2f}-{max(lin):.2f}" if lin else ""
-        print(f"wrote {report['out_path']}: {report['file_size'] / 2**20:.1f} MiB, "
+        as_name = f" (run it as -m {report['model']})" if "model" in report else ""
+        print(f"wrote {report['out_path']}{as_name}: {report['file_size'] / 2**20:.1f} MiB, "
               f"{report['bits_per_weight']:.2f} bits/weight in all{lin_s} "
               f"({report['method']}, group {g}) in {report['convert_seconds']:.1f} s, "
               f"peak RSS {report['peak_rss_mib']:.0f} MiB")
@@ -277,8 +363,6 @@ def cmd_bench(args) -> int:
     model = _load(args)
     load_s = time.perf_counter() - t0
     reset_peak_rss()  # run_peak_rss_mb: prefill + decode only, not the load's transients
-    if not args.quiet:
-        _compile_notice(model)
     rng = np.random.default_rng(0)
     v = model.config.vocab_size
     results = []
@@ -332,7 +416,8 @@ def cmd_devices(args) -> int:
         return 1
     if args.json or not devices:
         print(json.dumps(devices, indent=2, default=str) if args.json else "no OpenCL devices "
-              "found (install a driver / ICD, e.g. pip install pocl-binary-distribution)")
+              "found: install your GPU's OpenCL driver (ICD), or PoCL, a CPU device: "
+              "pip install 'edgeinfer[opencl]' (pyopencl[pocl])")
         return 0
     for d in devices:
         print(f"[{d.get('id', d.get('index'))}] {d.get('name')} ({d.get('platform')}, {d.get('type')}): "
@@ -374,18 +459,95 @@ def cmd_serve(args) -> int:
         print(f"error: `edgeinfer serve` needs the serve extra: pip install 'edgeinfer[serve]' "
               f"({e.name} is missing)", file=sys.stderr)
         return 1
+    import contextlib
+
+    from edgeinfer.model_store import server_state
+
     limits = ServerLimits(max_body=args.max_body, header_timeout=args.header_timeout,
                           body_timeout=args.body_timeout)
-    model = _load(args)
-    # a catalog name is a nicer id than the cached file's name; a path gives its stem
+    model = _load(args, warm=True)  # the first request pays no kernel loading
+    # a catalog name (or NAME:VARIANT) is a nicer id than the cached file's name; a path
+    # gives its stem
     name = args.model_name or (default_model_name(model) if os.path.exists(args.model)
                                else args.model)
     key_note = " (API key required)" if args.api_key else ""
-    serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
-          log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
-          access_log=not args.quiet, limits=limits,
-          on_listening=lambda url: print(f"serving {name} ({model.backend.name} backend) at "
-                                         f"{url}{key_note}; Ctrl-C stops", file=sys.stderr))
+    state = contextlib.ExitStack()
+
+    def listening(url: str) -> None:
+        state.enter_context(server_state(model, name, url))
+        print(f"serving model id '{name}' ({model.backend.name} backend, context "
+              f"{model.n_ctx} tokens) at {url}{key_note}; clients send model=\"{name}\"; "
+              f"Ctrl-C stops", file=sys.stderr)
+
+    with state:
+        serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
+              log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
+              access_log=not args.quiet, limits=limits, on_listening=listening)
+    return 0
+
+
+def _age(seconds: float | None) -> str:
+    """'3 minutes ago' style, or 'never'."""
+    import time
+
+    if seconds is None:
+        return "never"
+    d = max(0.0, time.time() - seconds)
+    for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if d >= n:
+            k = int(d // n)
+            return f"{k} {unit}{'s' if k > 1 else ''} ago"
+    return "just now"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def cmd_list(args) -> int:
+    from edgeinfer.model_store import list_models
+
+    entries = list_models()
+    if args.json:
+        print(json.dumps([e.as_dict() for e in entries], indent=2))
+        return 0
+    if not entries:
+        print("no models in the cache yet (`edgeinfer pull NAME` or `edgeinfer chat -m NAME`)")
+        return 0
+    rows = [["NAME", "SIZE", "FORMAT", "METHOD", "LAST USED", "PATH"]]
+    rows += [[e.ref, f"{e.size / 2**20:.0f} MiB", e.format, e.method, _age(e.last_used),
+              e.path] for e in entries]
+    print(_table(rows))
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from edgeinfer.model_store import remove
+
+    for ref in args.names:
+        removed = remove(ref)
+        print(f"removed {ref}: {', '.join(p.name for p in removed)}")
+    return 0
+
+
+def cmd_ps(args) -> int:
+    from edgeinfer.model_store import running_servers
+
+    servers = running_servers()
+    if args.json:
+        print(json.dumps([e.as_dict() for e in servers], indent=2))
+        return 0
+    if not servers:
+        print("no edgeinfer server is running")
+        return 0
+    rows = [["MODEL", "PID", "URL", "BACKEND", "CONTEXT", "MEMORY", "WEIGHTS + KV", "UP"]]
+    for e in servers:
+        rss = "?" if e.rss_bytes is None else f"{e.rss_bytes / 2**20:.0f} MiB"
+        up = _age(e.started).replace(" ago", "").replace("just now", "<1 minute")
+        rows.append([e.model, str(e.pid), e.url, e.backend, f"{e.n_ctx} ({e.kv_dtype} KV)",
+                     rss, f"{(e.weights_bytes + e.kv_bytes) / 2**20:.0f} MiB", up])
+    print(_table(rows))
     return 0
 
 
@@ -420,6 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens (default, as llama.cpp); --no-parse-special encodes them as "
                         "plain text")
     s.add_argument("--verbose", "-v", action="store_true", help="print timing stats to stderr")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the output to one JSON value valid under the JSON schema "
+                        "in FILE ('{\"type\": \"object\"}': any object)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="constrain the output to the Lark grammar in FILE (llguidance's dialect)")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="chat in the terminal")
@@ -430,8 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file")
     s.add_argument("model", help="HF folder, .gguf file or catalog name")
-    s.add_argument("--output", "-o", required=True,
-                   help="the .eif file to write (an existing one only with --force; never the input)")
+    s.add_argument("--output", "-o", default=None,
+                   help="the .eif to write (default for a catalog name: the models cache, "
+                        "as NAME:METHOD, e.g. smollm2-135m-instruct:gptq); an existing file only "
+                        "with --force; never the input")
     s.add_argument("--force", "-f", action="store_true",
                    help="replace an existing --output file")
     s.add_argument("--method", choices=["rtn", "awq", "gptq", "mse"], default="awq")
@@ -474,6 +644,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("devices", help="list OpenCL platforms and devices")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_devices)
+
+    s = sub.add_parser("list", aliases=["ls"], help="the models in the cache (name:variant, "
+                       "size, format, method, last used, path)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("rm", help="remove a model (every variant) or one NAME:VARIANT "
+                       "from the cache")
+    s.add_argument("names", nargs="+", metavar="NAME[:VARIANT]")
+    s.set_defaults(func=cmd_rm)
+
+    s = sub.add_parser("ps", help="the running edgeinfer servers: model, URL, memory")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_ps)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_runtime_args(s)

@@ -292,3 +292,54 @@ def _window_clear(counts, distinct, state):
     for d in range(state[0]):
         counts[distinct[d]] = 0
     state[:] = 0
+
+
+@njit(cache=True)
+def _apply_mask(x, mask):
+    """``x[i] = -inf`` for every id whose bit is clear in ``mask`` (int32 [ceil(V/32)],
+    bit ``i % 32`` of word ``i // 32``: llguidance's layout); ids past ``32 * mask.size``
+    are masked too. Returns how many finite logits are left."""
+    n = x.size
+    finite = 0
+    for w in range(mask.size):
+        word = np.int64(mask[w]) & 0xFFFFFFFF
+        base = w * 32
+        for b in range(32):
+            i = base + b
+            if i >= n:
+                break
+            if (word >> b) & 1:
+                finite += x[i] > -np.inf
+            else:
+                x[i] = -np.inf
+    for i in range(32 * mask.size, n):
+        x[i] = -np.inf
+    return finite
+
+
+@njit(cache=True)
+def _masked_argmax(x, mask):
+    """:func:`edgeinfer.sampling_steps.greedy` of ``x`` with the ids ``mask`` clears set
+    to -inf (layout as :func:`_apply_mask`), without writing ``x``: the first id of the
+    largest allowed logit; -1 when an allowed logit is NaN or +inf, -2 when every
+    allowed one is -inf (or none is allowed)."""
+    best = -1
+    bv = -np.inf
+    n = min(x.size, 32 * mask.size)
+    for w in range(mask.size):
+        word = np.int64(mask[w]) & 0xFFFFFFFF
+        if word == 0:
+            continue
+        base = w * 32
+        for b in range(32):
+            i = base + b
+            if i >= n:
+                break
+            if (word >> b) & 1:
+                v = np.float64(x[i])
+                if math.isnan(v) or v == np.inf:
+                    return -1
+                if v > bv:
+                    bv = v
+                    best = i
+    return best if best >= 0 else -2

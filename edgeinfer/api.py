@@ -21,9 +21,14 @@ import numpy as np
 
 from .backends.errors import BackendUnavailableError as _BackendUnavailable
 from .chat_template import RenderLimits
-from .engine import Engine, GenerationEvent
+from .constrained import Grammar, as_grammar
+from .engine import Engine, GenerationEvent, GenerationStats, peak_rss_mb
 from .errors import BackendUnavailableError, ContextOverflowError, EdgeInferError, ModelFormatError
-from .memory import release_free_heap, release_jit_compiler_pages
+from .memory import (
+    context_length,
+    release_free_heap,
+    release_jit_compiler_pages,
+)
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
 from .tokenizer import Tokenizer
@@ -31,7 +36,6 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("edgeinfer")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_CTX = 4096
 #: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
 #: the bytes of f16 (benchmarks/kv_quality.py; README table).
 DEFAULT_KV_DTYPE = "int8"
@@ -90,8 +94,9 @@ class Model:
     Args:
         source: the model description (from :func:`edgeinfer.readers.read_model`).
         backend: "cpu", "reference" or "opencl" (default: :func:`default_backend`).
-        n_ctx: context length in tokens (KV cache positions preallocated); default: the
-            most ``max_memory`` allows, else 4096 (capped by the model's positions).
+        n_ctx: context length in tokens (KV cache positions preallocated); default:
+            4096, lowered to what ``max_memory`` allows, capped by the model's positions
+            (:func:`edgeinfer.memory.context_length`).
         kv_dtype: KV cache storage dtype: "int8" (default), "f32", "f16", "int4", "k8v4".
         max_memory: total memory budget in MiB (weights + scratch + KV cache); the
             context is sized to fit, and a model that cannot fit is refused before any
@@ -133,7 +138,6 @@ class Model:
                 raise MemoryBudgetError(
                     f"a context of {n_ctx} tokens does not fit in --max-memory {max_memory:g} MiB "
                     f"(at most {self.memory_plan.max_context}):\n{format_plan(self.memory_plan)}")
-            n_ctx = n_ctx or self.memory_plan.max_context
         opts = {}
         if threads is not None:
             opts["threads"] = threads
@@ -147,7 +151,8 @@ class Model:
             raise BackendUnavailableError(str(e)) from e
         if name == "opencl" and self_check:
             self.backend = self._checked_opencl(self.backend, source, kv_dtype, threads)
-        n_ctx = min(n_ctx or DEFAULT_CTX, model_max)
+        n_ctx = context_length(model_max, n_ctx,
+                               self.memory_plan.max_context if self.memory_plan else None)
         t0 = time.perf_counter()
         self.transformer = Transformer(source.config, source.tensors, self.backend,
                                        max_positions=max(n_ctx, 1))
@@ -192,30 +197,57 @@ class Model:
         for fields a request omits; :meth:`stream_ids` itself stays greedy by default."""
         return sampling_defaults(self.source.generation, base)
 
-    def warm_up(self) -> float:
-        """Run every kernel of a generation once, so the first real call does not pay for
-        loading them: the CPU backend loads each Numba kernel from its on-disk cache on
-        first use, about 0.4 s on 2 idle cores and over 1.5 s on a loaded machine, all of
-        it counted in the first call's TTFT. A 3-token prompt (the prefill kernels) and
-        two sampled tokens (the decode kernels); the KV cache is reset afterwards. Takes
-        the model's lock, so a call made meanwhile waits for it (the chat runs this
-        while the user types the first message). On a cold kernel cache this compiles
-        them (15-60 s).
+    def warm_up(self, progress=None) -> float:
+        """Run every kernel a generation uses once, so the first real answer does not
+        stall: on a fresh install (:attr:`kernels_cold`) this compiles the CPU backend's
+        Numba kernels (15-60 s, cached on disk for later runs); on a warm cache it loads
+        them from disk (about 0.4 s on 2 idle cores, over 1.5 s on a loaded machine),
+        which would otherwise count in the first answer's TTFT. What runs: a 3-token
+        prompt (the prefill path), two decode steps, the sampler's kernels for a full
+        chain (temperature, top-k, top-p, min-p, repetition/presence penalties) and the
+        token-mask kernels of constrained output; the KV cache is reset afterwards.
+        Takes the model's lock, so a call made meanwhile waits for it.
+        ``edgeinfer.load(..., warm=True)`` calls it; the chat runs it while the user
+        types the first message.
+
+        Args:
+            progress: ``callable(str)`` called with each stage's name ("prefill",
+                "decode", "sampling") as it starts, e.g. for a progress line.
 
         Returns:
             seconds spent.
         """
+        from .constrained import mask_words
+        from .sampling import Sampler
+
+        say = progress or (lambda stage: None)
         t0 = time.perf_counter()
         ids = (self.encode_prompt("Hello, world") + [0, 0, 0])[:3]
+        sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                 repetition_penalty=1.1, presence_penalty=0.1, seed=0)
         with self._lock:
             try:
-                for _ in self.engine.stream(ids, max_tokens=2):
-                    pass
+                say("prefill")
+                logits, _ = self.engine.prefill(ids)
+                say("decode")
+                token = int(np.argmax(logits))
+                for _ in range(2):
+                    token = int(np.argmax(self.engine.decode_one(token)))
+                say("sampling")
+                row = np.ascontiguousarray(self.engine.decode_one(token))
+                mask = np.full(mask_words(row.size), -1, np.int32)
+                for params in (sampled, SamplingParams(temperature=0.0)):
+                    s = Sampler(row.size)
+                    s.start(params, ids)
+                    for m in (None, mask):
+                        s.accept(s.sample(row, np.random.default_rng(0), m))
             finally:
                 self.engine.reset()
             release_free_heap()  # kernel loading's garbage, the fused weights' old copies
             if self.backend.name == "cpu":
                 release_jit_compiler_pages()  # LLVM is idle once the kernels are loaded
+        if self.kernels_cold:
+            self.kernels_cold = False
         return time.perf_counter() - t0
 
     # ---- prompts ---------------------------------------------------------------------
@@ -237,35 +269,74 @@ class Model:
         ``CHARS_PER_CONTEXT_TOKEN`` (8) characters per context token."""
         return RenderLimits.for_context(self.n_ctx)
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
+                    ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template
         (generation prompt added). Message content is text: special-token strings in it
         are encoded as plain text, never as control tokens. Models without a template
         get the message contents joined by blank lines
         (:func:`edgeinfer.chat_template.plain_prompt`), also encoded as text.
 
+        ``tools``: OpenAI function tools, rendered by the template (see
+        :meth:`tool_support`); assistant ``tool_calls`` and ``tool`` messages in
+        ``messages`` are rendered as the template spells them.
+
         Raises:
             ChatTemplateTooLargeError: the render exceeds ``render_limits`` (a
                 ``ContextOverflowError``: it could not fit the context).
             ChatTemplateError: the template failed or ran past its time limit.
             InvalidTextError: a message is not valid Unicode.
+            ToolError: ``tools`` given to a model whose template cannot take them.
         """
+        from .tools import normalize_tools, template_messages
+
+        if tools is not None:
+            reason = self.tool_support()
+            if reason:
+                from .tools import ToolError
+                raise ToolError(reason, "tools")
+            tools = normalize_tools(list(tools))
         if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+            return self.tokenizer.apply_chat_template(template_messages(messages),
+                                                      add_generation_prompt=True, tools=tools,
                                                       render_limits=self.render_limits)
         from .tokenizer import plain_prompt
         return self.tokenizer.encode(plain_prompt(list(messages)), add_special=True,
                                      parse_special=False)
 
+    def tool_support(self) -> str | None:
+        """Why this model cannot be given tools (a sentence), or None when it can: its
+        chat template renders ``tools`` and teaches the ``<tool_call>`` format
+        (:func:`edgeinfer.tools.tool_support`; Qwen2.5 can, SmolLM2 cannot)."""
+        from .tools import tool_support
+
+        return tool_support(self.tokenizer.chat_template)
+
     # ---- generation ------------------------------------------------------------------
     def stream_ids(self, ids: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
-                   cancel: threading.Event | None = None, **sampling) -> Iterator[GenerationEvent]:
+                   cancel: threading.Event | None = None, json_schema=None, grammar=None,
+                   leading_space: bool = True, **sampling) -> Iterator[GenerationEvent]:
         """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
         min_p, repetition_penalty, seed). Default: greedy (temperature 0); other omitted
         fields take :data:`edgeinfer.sampling.DEFAULTS` (the model's own defaults:
         ``stream_ids(ids, **model.sampling_defaults())``).
+
+        Constrained output: ``json_schema`` (a dict or JSON text) makes the output one
+        JSON value valid under that schema (``{"type": "object"}``: any JSON object);
+        ``grammar`` takes a Lark grammar (llguidance's dialect) or an
+        :class:`edgeinfer.constrained.Grammar`. A generation that ends by itself then
+        always parses; one cut by ``max_tokens`` ends with finish reason "length". The
+        first constrained call on a model builds the vocabulary's token table (about a
+        second for 150k ids), later ones reuse it.
+
+        ``leading_space``: a completion keeps the space that begins its first word on
+        SentencePiece models whose decoder strips it (" there", as llama.cpp prints it);
+        :meth:`chat_stream` passes False (a reply starts at its first character).
+
+        Every stream ends with one event whose ``finish_reason`` and ``stats`` are set
+        (a stream cancelled before it started gets stats with 0 generated tokens).
 
         Arguments are checked here, before the first ``next()``; the model's lock is taken
         when iteration starts and released when the stream ends or is closed (use
@@ -275,6 +346,7 @@ class Model:
         Raises:
             ValueError: invalid sampling values or ``max_tokens`` < 1.
             ContextOverflowError: the prompt does not fit the context.
+            GrammarError: an invalid ``json_schema`` / ``grammar``, or both given.
         """
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(**sampling)
@@ -282,16 +354,31 @@ class Model:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = list(ids)
         self.engine.check_prompt(ids)
-        return self._locked_stream(ids, params, max_tokens, stop, cancel)
+        constraint = self.constraint(as_grammar(json_schema, grammar))
+        return self._locked_stream(ids, params, max_tokens, stop, cancel, constraint,
+                                   leading_space)
 
-    def _locked_stream(self, ids, params, max_tokens, stop, cancel):
+    def constraint(self, grammar: Grammar | None):
+        """A fresh :class:`edgeinfer.constrained.Constraint` of ``grammar`` for this
+        model's vocabulary (None for None). Raises GrammarError."""
+        if grammar is None:
+            return None
+        from .constrained import Constraint, token_table
+
+        vocab = self.config.vocab_size
+        return Constraint(token_table(self.tokenizer, vocab), grammar, vocab)
+
+    def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None,
+                       leading_space=True):
         while not self._lock.acquire(timeout=0.05):
             if cancel is not None and cancel.is_set():
-                yield GenerationEvent(finish_reason="cancelled", stats=None)
+                yield GenerationEvent(finish_reason="cancelled", stats=GenerationStats(
+                    prompt_tokens=len(ids), peak_rss_mb=peak_rss_mb()))
                 return
         try:
             yield from self.engine.stream(ids, params=params, max_tokens=max_tokens,
-                                          stop=stop, cancel=cancel)
+                                          stop=stop, cancel=cancel, constraint=constraint,
+                                          leading_space=leading_space)
         finally:
             self._lock.release()
 
@@ -305,41 +392,97 @@ class Model:
         see :meth:`encode_prompt`)."""
         return "".join(ev.text for ev in self.stream(prompt, parse_special=parse_special, **kw))
 
-    def chat_stream(self, messages: Sequence[dict], **kw) -> Iterator[GenerationEvent]:
+    def chat_stream(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    tool_choice=None, parallel_tool_calls: bool = False,
+                    **kw) -> Iterator[GenerationEvent]:
         """Stream the assistant's reply to OpenAI-style messages ``[{"role", "content"}]``.
 
         A conversation longer than the context loses its oldest whole turns (the system
         prompt is kept; room for ``max_tokens`` is reserved up to half the context): see
-        :func:`edgeinfer.conversation.fit_messages`. Where the KV cache holds the previous
+        :func:`edgeinfer.conversation.fit_messages`; the final event's
+        ``stats.dropped_turns`` says how many. Where the KV cache holds the previous
         reply as sampled and that differs from the re-tokenized text (a non-canonical
         split, "Q"+"LT" for "QL"+"T"), the sampled ids are kept so the whole reply is
         reused (:func:`edgeinfer.conversation.reuse_cached_ids`).
 
+        ``tools`` (OpenAI function tools) are rendered by the model's template; the reply
+        then may hold ``<tool_call>`` blocks (:func:`edgeinfer.tools.parse_tool_calls`
+        reads them). ``tool_choice``: "auto" (default), "none" (tools not rendered),
+        "required" or a function name / ``{"type": "function", "function": {"name"}}``
+        (the reply is forced to be such a call, through a grammar: one call, or for
+        "required" with ``parallel_tool_calls`` one or more).
+
         Raises:
             ContextOverflowError: even the system prompt and the last turn do not fit.
+            ToolError: tools for a model that cannot take them, a bad ``tool_choice``.
         """
-        from .conversation import fit_messages, reuse_cached_ids
+        from .conversation import reuse_cached_ids
+        from .tools import call_grammar, normalize_tool_choice, normalize_tools
 
+        if tools is not None or tool_choice is not None:
+            tools = normalize_tools(list(tools)) if tools is not None else None
+            choice = normalize_tool_choice(tool_choice, tools)
+            if choice == "none":
+                tools = None
+            elif kw.get("json_schema") is not None or kw.get("grammar") is not None:
+                from .tools import ToolError
+                raise ToolError("tools with a json_schema/grammar: give one or the other",
+                                "tools")
+            else:
+                reason = self.tool_support()
+                if reason:
+                    from .tools import ToolError
+                    raise ToolError(reason, "tools")
+                kw["grammar"] = call_grammar(tools, choice, self.tokenizer,
+                                             parallel=parallel_tool_calls)
         reserve = min(kw.get("max_tokens", 256), self.n_ctx // 2)
-        try:
-            ids = self.encode_chat(messages)
-        except ContextOverflowError:  # the render outgrew render_limits: drop old turns
-            ids = None
-        if ids is None or len(ids) + reserve > self.n_ctx:
-            kept, dropped = fit_messages(list(messages), self.encode_chat, self.n_ctx, reserve)
-            log.info("context full: dropped the %d oldest messages", dropped)
-            ids = self.encode_chat(kept)
+        ids, dropped = self.chat_ids(messages, tools=tools, reserve=reserve)
         # the previous reply as the model sampled it (and its KV cache holds it), even
         # where that is not how the tokenizer would spell its text: reused, not recomputed
         spliced = reuse_cached_ids(ids, list(self.engine.cached_ids),
                                    lambda t: self.tokenizer.decode(t, skip_special=False))
         if len(spliced) <= self.n_ctx:
             ids = spliced
-        return self.stream_ids(ids, **kw)
+        events = self.stream_ids(ids, leading_space=False, **kw)
+        return _with_dropped_turns(events, dropped) if dropped else events
+
+    def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                 reserve: int = 256) -> tuple[list[int], int]:
+        """Prompt ids of a chat that fit the context with ``reserve`` tokens to spare, and
+        how many of its oldest whole turns were dropped for that (0 when it fits; the
+        system prompt stays: :func:`edgeinfer.conversation.fit_messages`).
+
+        Raises:
+            ContextOverflowError: even the system prompt and the last turn do not fit.
+            ToolError: as :meth:`encode_chat`.
+        """
+        from .conversation import fit_messages, split_turns
+
+        reserve = max(0, min(int(reserve), self.n_ctx - 1))
+        try:
+            ids = self.encode_chat(messages, tools=tools)
+        except ContextOverflowError:  # the render outgrew render_limits: drop old turns
+            ids = None
+        if ids is not None and len(ids) + reserve <= self.n_ctx:
+            return ids, 0
+        encode = (lambda msgs: self.encode_chat(msgs, tools=tools))
+        kept, n_messages = fit_messages(list(messages), encode, self.n_ctx, reserve)
+        dropped = len(split_turns(messages)[1]) - len(split_turns(kept)[1])
+        log.info("context full: dropped the %d oldest turns (%d messages)", dropped, n_messages)
+        return encode(kept), dropped
 
     def chat(self, messages: Sequence[dict], **kw) -> str:
         """The assistant's reply to OpenAI-style messages, as a string."""
         return "".join(ev.text for ev in self.chat_stream(messages, **kw))
+
+
+def _with_dropped_turns(events: Iterator[GenerationEvent], dropped: int
+                        ) -> Iterator[GenerationEvent]:
+    """``events`` with ``dropped`` set as the final event's ``stats.dropped_turns``."""
+    for ev in events:
+        if ev.stats is not None:
+            ev.stats.dropped_turns = dropped
+        yield ev
 
 
 class ChatSession:
@@ -395,7 +538,7 @@ class ChatSession:
 
 
 def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
-         progress: bool = False, notify=None, **kw) -> Model:
+         progress: bool = False, notify=None, warm: bool = False, **kw) -> Model:
     """Load a model by path (HF folder, .gguf, .eif) or catalog name.
 
     A catalog name runs as INT4 when it can: its cached ``NAME.int4.eif`` (made by the
@@ -417,6 +560,9 @@ def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
             (default off: the API writes nothing to the terminal).
         notify: ``callable(str)`` for first-use status lines (they also go to the
             ``edgeinfer`` logger at INFO), e.g. to show them in an app's window.
+        warm: run :meth:`Model.warm_up` before returning, so the first answer does not
+            stall (on a fresh install: compiles the CPU kernels, 15-60 s once; else about
+            a second); ``notify`` is told when it starts and each of its stages.
         **kw: go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device, max_memory).
 
     Raises:
@@ -428,4 +574,10 @@ def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
 
     path = resolve_model(str(path_or_name), progress=progress, prepare_int4=convert,
                          converter=converter, notify=notify)
-    return Model(read_model(str(path)), **kw)
+    model = Model(read_model(str(path)), **kw)
+    if warm:
+        say = notify or (lambda msg: None)
+        if model.kernels_cold:
+            say("compiling the CPU kernels (first run only, 15-60 s; cached for later runs)")
+        model.warm_up(progress=lambda stage: say(f"warming up: {stage}"))
+    return model

@@ -48,6 +48,7 @@ __all__ = [
     "prepare",
     "prepared_path",
     "pull",
+    "catalog_source",
     "resolve_model",
 ]
 
@@ -73,8 +74,10 @@ class CatalogEntry:
         description: one line for listings.
         sampling: the model's recommended sampling settings (``generation_config.json``
             keys: temperature, top_p, top_k, min_p, repetition_penalty), which a GGUF does
-            not carry; :func:`prepare` writes them into the ``.eif``'s generation config,
-            where the server takes its defaults from.
+            not carry; :func:`catalog_source` adds them to the generation config, so every
+            ``.eif`` made from the entry (:func:`prepare`, ``edgeinfer convert NAME``)
+            carries them, and the server takes its defaults from there.
+        file_type: the GGUF's quantization (llama.cpp's name), for listings.
     """
 
     name: str
@@ -83,6 +86,7 @@ class CatalogEntry:
     size: int
     description: str
     sampling: dict = field(default_factory=dict, compare=False)
+    file_type: str = ""
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -95,6 +99,7 @@ CATALOG: dict[str, CatalogEntry] = {
             98362432,
             "SmolLM2-135M-Instruct, llama arch, Q4_1 (Q8_0 embeddings), 98 MB, Apache-2.0",
             {"temperature": 0.2, "top_p": 0.9},  # the model card's recommendation
+            "Q4_1",
         ),
         CatalogEntry(
             "qwen2.5-coder-0.5b-instruct",
@@ -106,6 +111,7 @@ CATALOG: dict[str, CatalogEntry] = {
             491400064,
             "Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M mix, 491 MB, Apache-2.0",
             {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+            "Q4_K_M",
         ),
         CatalogEntry(
             "gemma-3-270m",
@@ -120,6 +126,7 @@ CATALOG: dict[str, CatalogEntry] = {
             253113024,
             "Gemma 3 270M base, gemma3 arch, Q4_K_M mix, 253 MB, Gemma Terms of Use",
             {"temperature": 1.0, "top_p": 0.95, "top_k": 64},  # Gemma 3's recommendation
+            "Q4_K_M",
         ),
     )
 }
@@ -389,15 +396,52 @@ def prepare(name: str, converter: Callable[..., dict], *,
         say(f"first run: converting {name} to INT4 ({opts['method'].upper()}, group "
             f"{opts['group_size']}, {opts['embed_bits']}-bit embeddings), about "
             f"{_convert_seconds_estimate(entry)} s, once -> {dest}")
-        from .readers import read_model
-
-        source = read_model(str(gguf))
-        source = replace(source, generation={**entry.sampling, **(source.generation or {})})
+        source = catalog_source(name, cache_dir=cache_dir, progress=progress)
         t0 = time.perf_counter()
         converter(source, str(dest), **opts, progress=progress)
         say(f"converted in {time.perf_counter() - t0:.1f} s "
             f"({dest.stat().st_size / 2**20:.0f} MiB); later starts load it directly")
     return dest
+
+
+def catalog_source(name: str, *, cache_dir: str | os.PathLike | None = None,
+                   progress: bool = True):
+    """Catalog model ``name`` read from its GGUF (pulled if needed) as a
+    :class:`~edgeinfer.source.ModelSource` whose generation config holds the entry's
+    recommended sampling (a GGUF carries none); what a conversion starts from, so the
+    ``.eif`` keeps them.
+
+    Raises:
+        CatalogError: unknown name, or the pull failed.
+    """
+    from .readers import read_model
+
+    entry = _entry(name)
+    source = read_model(str(pull(name, cache_dir=cache_dir, progress=progress)))
+    return replace(source, generation={**entry.sampling, **(source.generation or {})})
+
+
+def _resolve_variant(text: str, prepare_int4: bool, converter, progress: bool, notify) -> Path:
+    """``NAME:VARIANT`` (see :mod:`edgeinfer.model_store`) as a path in the cache."""
+    from .model_store import DEFAULT_VARIANT, parse_ref, variant_path
+
+    name, variant = parse_ref(text)
+    if name in CATALOG and variant == "gguf":
+        return pull(name, progress=progress)
+    if name in CATALOG and variant == DEFAULT_VARIANT:
+        if prepared_path(name).exists() or converter is None:
+            if not prepared_path(name).exists():
+                raise CatalogError(f"{text}: not in the cache yet; `edgeinfer chat -m {name}` "
+                                   f"makes it")
+            return prepared_path(name)
+        return prepare(name, converter, progress=progress, notify=notify)
+    path = variant_path(name, variant)
+    if path.exists():
+        return path
+    hint = (f"; make it with `edgeinfer convert {name} --method {variant}`"
+            if name in CATALOG and variant in ("rtn", "awq", "gptq") else "")
+    raise CatalogError(f"{text}: no such model in the cache ({path} is missing){hint}; "
+                       f"`edgeinfer list` shows what is there")
 
 
 def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
@@ -409,6 +453,8 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
     An existing file or folder is returned as is (a ``.gguf`` path runs as it is). A
     catalog name is :func:`pull`-ed, and with ``prepare_int4`` turned into the cached
     INT4 ``.eif`` (:func:`prepare`; what chat, generate and ``edgeinfer.load`` run).
+    ``NAME:VARIANT`` is that file of the cache (``:gguf``, ``:int4``, ``:gptq`` ...,
+    :mod:`edgeinfer.model_store`).
 
     Args:
         name_or_path: a path or a catalog name.
@@ -426,7 +472,10 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
     p = Path(name_or_path).expanduser()
     if p.exists():
         return p
-    if str(name_or_path) in CATALOG:
+    text = str(name_or_path)
+    if ":" in text and os.sep not in text:  # NAME:VARIANT
+        return _resolve_variant(text, prepare_int4, converter, progress, notify)
+    if text in CATALOG:
         name = str(name_or_path)
         if prepare_int4:
             if prepared_path(name).exists():
@@ -436,7 +485,6 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
             log.info("%s runs as its GGUF (float32 weights): `edgeinfer chat -m %s` converts "
                      "it to INT4 once", name, name)
         return pull(str(name_or_path), progress=progress)
-    text = str(name_or_path)
     if os.sep in text or text.endswith((".gguf", ".eif", ".safetensors")):
         raise CatalogError(f"model file not found: {text}")
     raise CatalogError(

@@ -32,6 +32,13 @@ hold is released after ``HARD_HOLD`` tokens. Only on such input (hundreds of byt
 invalid UTF-8 or a 16+ token byte run that later turns invalid) can the stream differ
 from the full decode.
 
+Leading space (``leading_space=True``): a SentencePiece decoder with a ``Strip`` step
+(Llama-2, Mistral, stories260K) drops the space of the stream's first piece, so a
+completion of "Once upon a time," would start "there" where the text is " there"
+(llama.cpp prints the space). With the option, the first emission gets that space back
+when the first id's piece starts with "▁" and the decoder dropped it; byte-level BPE
+("Ġthere") and decoders that keep the space are unchanged.
+
 End of stream: ``flush()`` emits whatever is held, exactly as the full decode renders
 it, once. A truly incomplete character therefore comes out as U+FFFD: one per open
 sequence for byte-level BPE (lossy UTF-8), one per byte token for ByteFallback (the
@@ -73,15 +80,20 @@ class StreamingDetokenizer:
     module docstring for the two pathological exceptions and the hold rules).
     """
 
-    def __init__(self, tokenizer: _DecodesIds, *, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: _DecodesIds, *, skip_special: bool = True,
+                 leading_space: bool = False) -> None:
         """Start an empty stream.
 
         Args:
             tokenizer: has ``decode(ids, skip_special)`` and ``special_ids``; optional
-                ``byte_fallback_ids`` (ids of ``<0xNN>`` tokens of a ByteFallback decoder).
+                ``byte_fallback_ids`` (ids of ``<0xNN>`` tokens of a ByteFallback decoder)
+                and ``id_to_token`` (for ``leading_space``).
             skip_special: drop special tokens (the default, like ``decode``).
+            leading_space: give the first piece back the space a SentencePiece decoder
+                strips (module docstring); the text is then ``" " + decode(ids)`` there.
         """
         self._tok = tokenizer
+        self._leading_space = leading_space and hasattr(tokenizer, "id_to_token")
         self._skip_special = skip_special
         self._special = frozenset(tokenizer.special_ids) if skip_special else frozenset()
         self._byte_ids = frozenset(getattr(tokenizer, "byte_fallback_ids", ()))
@@ -118,6 +130,10 @@ class StreamingDetokenizer:
     def _emit(self, window_text: str) -> str:
         """Emit ``window_text`` beyond the prefix and move the window forward."""
         delta = window_text[self._prefix_len:]
+        if self._leading_space and not self._chunks and self._read == 0 and delta \
+                and not delta[0].isspace() \
+                and (self._tok.id_to_token(self._ids[0]) or "").startswith("\u2581"):
+            delta = " " + delta  # the space the decoder's Strip step took from piece one
         # The just-emitted ids start at a clean boundary (``read``): they become the prefix.
         self._prefix, self._read = self._read, len(self._ids)
         self._prefix_len = len(self._decode(self._prefix, self._read))

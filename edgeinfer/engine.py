@@ -51,6 +51,8 @@ class GenerationStats:
         itl_mean_s / itl_p90_s: inter-token latency, seconds.
         kv_bytes: bytes of KV cache in use (positions held × bytes per position).
         peak_rss_mb: the process's peak resident memory, MiB.
+        dropped_turns: oldest whole turns a chat dropped to fit the context
+            (:meth:`edgeinfer.api.Model.chat_stream`); 0 otherwise.
     """
 
     prompt_tokens: int = 0
@@ -63,6 +65,7 @@ class GenerationStats:
     itl_p90_s: float = 0.0
     kv_bytes: int = 0
     peak_rss_mb: float = 0.0
+    dropped_turns: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -247,7 +250,8 @@ class Engine:
     # ---- generation ------------------------------------------------------------------
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                max_tokens: int = 256, stop: Sequence[str] = (),
-               cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+               cancel: threading.Event | None = None,
+               constraint=None, leading_space: bool = True) -> Iterator[GenerationEvent]:
         """Generate from ``prompt_ids``, yielding events (see :class:`GenerationEvent`).
 
         Args:
@@ -257,14 +261,20 @@ class Engine:
             stop: stop strings; matched text is not emitted. One that is exactly a special
                 token (``stop_strings_to_ids``) stops on its id; that token is not emitted.
             cancel: checked between steps; when set the stream ends with "cancelled".
+            constraint: an :class:`edgeinfer.constrained.Constraint` (fresh, at the
+                grammar's start): each token is sampled under its mask.
+            leading_space: keep the space that begins the first word where a
+                SentencePiece decoder strips it (a completion of "Once upon a time,"
+                starts " there", as llama.cpp prints it); chat replies pass False.
 
         Raises:
             ContextOverflowError: the prompt does not fit the context.
+            GrammarError: the constraint failed (a grammar limit).
         """
         params = params or SamplingParams(temperature=0.0)
         rng = np.random.default_rng(params.seed)
         tok = self.tokenizer
-        detok = StreamingDetokenizer(tok)
+        detok = StreamingDetokenizer(tok, leading_space=leading_space)
         stop_ids, stop_texts = stop_strings_to_ids(stop, tok)
         stopper = StopChecker(tok.eos_ids | stop_ids, stop_texts, max_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -286,7 +296,8 @@ class Engine:
                 if sampler is None or sampler.vocab != logits.shape[-1]:
                     sampler = Sampler(logits.shape[-1])
                 sampler.start(params, prompt_ids)
-            token = sampler.sample(logits, rng)
+            token = sampler.sample(logits, rng,
+                                   None if constraint is None else constraint.fill())
             now = time.perf_counter()
             if stats.generated_tokens == 0:
                 stats.ttft_s = now - t0
@@ -298,6 +309,8 @@ class Engine:
             finish = stopper.on_token(token)
             if finish == "stop":  # an EOS id (on_token's only "stop"): not emitted
                 break
+            if constraint is not None:
+                constraint.accept(token)
             text, finish_text = stopper.feed(detok.add(token))
             if text:
                 yield GenerationEvent(text=text, token=token)

@@ -48,3 +48,7 @@ class OutputError(EdgeInferError, OSError):
 
 class BackendUnavailableError(EdgeInferError, _BackendUnavailable):
     """The requested backend or device cannot be used on this machine."""
+
+
+class GrammarError(EdgeInferError, ValueError):
+    """A JSON schema or grammar for constrained output is invalid or cannot be used."""

@@ -115,6 +115,24 @@ def _windows(cfg, use_windows: bool) -> list[int | None] | None:
     return [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
 
 
+#: The context a model runs with when none is asked for (tokens).
+DEFAULT_CONTEXT = 4096
+
+
+def context_length(model_max: int, n_ctx: int | None = None,
+                   memory_max: int | None = None) -> int:
+    """The one context rule (the runtime, ``chat``, ``serve`` and ``info`` all use it):
+    ``n_ctx`` when given (``--ctx``), else :data:`DEFAULT_CONTEXT`, lowered to what the
+    memory budget allows (``memory_max``: :attr:`MemoryPlan.max_context`); never more
+    than the model's positions ``model_max``."""
+    if n_ctx is not None:
+        return max(1, min(int(n_ctx), int(model_max)))
+    n = min(DEFAULT_CONTEXT, int(model_max))
+    if memory_max is not None:
+        n = min(n, int(memory_max))
+    return max(1, n)
+
+
 def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "int8",
                 prefill_chunk: int = 512, *, n_ctx: int | None = None,
                 use_windows: bool = False,

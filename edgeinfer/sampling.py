@@ -13,6 +13,10 @@ distribution). llama.cpp applies temperature *last*
 top-p → min-p → temperature → dist), which changes the kept set: probs [0.80, 0.15,
 0.05] with min_p 0.1 and temperature 2 keep {0, 1, 2} here and {0, 1} in llama.cpp.
 
+A token mask (constrained decoding, :mod:`edgeinfer.constrained`) comes first: the ids
+it does not allow are -inf before any step, so the penalties, temperature and filters
+only ever see allowed ids.
+
 Temperature 0 means greedy: argmax of the penalized logits. It never divides, and it
 ignores top-k/top-p/min-p and the random generator (penalties still apply: they are
 processors, not samplers, as in HF and llama.cpp).
@@ -44,6 +48,7 @@ from .sampling_steps import (
     apply_presence_frequency_penalty,
     apply_repetition_penalty,
     apply_temperature,
+    apply_token_mask,
     draw,
     draw_support,
     greedy,
@@ -63,6 +68,7 @@ __all__ = [
     "apply_presence_frequency_penalty",
     "apply_repetition_penalty",
     "apply_temperature",
+    "apply_token_mask",
     "draw",
     "draw_support",
     "greedy",
@@ -195,7 +201,7 @@ def make_rng(seed: int | None) -> np.random.Generator:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           history: Sequence[int] | np.ndarray = ()) -> int:
+           history: Sequence[int] | np.ndarray = (), mask: np.ndarray | None = None) -> int:
     """Pick the next token id from ``logits``: the chain of the numpy references.
 
     The definition that :class:`Sampler` reproduces bit for bit; it allocates [V]
@@ -209,12 +215,15 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
             generation so that a seed fixes the entire sequence). Unused when greedy.
         history: ids seen so far, prompt included; the penalties use the last
             ``params.penalty_last_n`` of them.
+        mask: the allowed ids, an int32 bitmask [ceil(V/32)] (:func:`apply_token_mask`);
+            None allows every id.
 
     Returns:
         A token id in [0, V) as a Python int.
 
     Raises:
-        ValueError: logits not 1-D, containing NaN or +inf, or all -inf; history ids out
+        ValueError: logits not 1-D, containing NaN or +inf (greedy and unpenalized: an
+            allowed logit NaN or +inf), or all -inf (or all masked); history ids out
             of range; or (sampling only) no finite logit left, or +inf, after penalties
             and temperature (float64 logits near 1e308, or penalties that overflow).
     """
@@ -222,7 +231,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D array [V], got shape {x.shape}")
     if params.temperature == 0 and not params.penalized:
-        return greedy(x)
+        return greedy(x if mask is None else apply_token_mask(x, mask))
     if np.isnan(x).any() or np.isposinf(x).any():
         raise ValueError(BAD_LOGITS)
     if params.penalized:
@@ -232,6 +241,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
                                              params.frequency_penalty)
         if np.isnan(x).any():
             raise ValueError(BAD_LOGITS)
+    if mask is not None:
+        x = apply_token_mask(x, mask)
     if x.max() == -np.inf:
         raise ValueError(ALL_MASKED)
     if params.temperature == 0:
@@ -340,8 +351,13 @@ class Sampler:
         self._k._window_push(self._one, self.counts, self.distinct, self.where, self.ring,
                              self.state)
 
-    def sample(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+    def sample(self, logits: np.ndarray, rng: np.random.Generator,
+               mask: np.ndarray | None = None) -> int:
         """Pick the next id from ``logits`` [V] (float16/32/64, not modified).
+
+        ``mask``: the allowed ids, int32 [ceil(V/32)] (:func:`apply_token_mask`'s layout;
+        one row of a batch's [B, ceil(V/32)] array); None allows every id. Masked, a
+        step still allocates nothing.
 
         Returns:
             A token id in [0, V) as a Python int.
@@ -353,9 +369,19 @@ class Sampler:
         if x.ndim != 1 or x.size != self.vocab:
             raise ValueError(f"logits must be a 1-D array [{self.vocab}], got shape {x.shape}")
         params = self.params
+        if mask is not None and self._k is None:
+            from . import _sampling_kernels
+            self._k = _sampling_kernels
         if params.temperature == 0 and not self._penalized:
-            return greedy(x, self._zi)
+            if mask is None:
+                return greedy(x, self._zi)
+            i = self._k._masked_argmax(x, mask)
+            if i < 0:
+                raise ValueError(BAD_LOGITS if i == -1 else ALL_MASKED)
+            return int(i)
         self._penalize(x)
+        if mask is not None and self._k._apply_mask(self.x, mask) == 0:
+            raise ValueError(ALL_MASKED)
         if params.temperature == 0:
             np.argmax(self.x, out=self._zi)
             return int(self._zi)

@@ -24,6 +24,7 @@ __all__ = [
     "apply_presence_frequency_penalty",
     "apply_repetition_penalty",
     "apply_temperature",
+    "apply_token_mask",
     "draw",
     "draw_support",
     "greedy",
@@ -230,6 +231,25 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
     return _filter_full(logits, _min_p_keep, float(min_p))
+
+
+def apply_token_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``logits`` as float64 with every id the bitmask does not allow set to -inf.
+
+    ``mask`` is int32 [ceil(V/32)] (llguidance's layout): id ``i`` is allowed when bit
+    ``i % 32`` of word ``i // 32`` is set; ids past ``32 * mask.size`` are not allowed.
+
+    Raises:
+        ValueError: ``mask`` is not a 1-D int32 array.
+    """
+    m = np.asarray(mask)
+    if m.ndim != 1 or m.dtype != np.int32:
+        raise ValueError(f"mask must be a 1-D int32 bitmask, got {m.dtype} {m.shape}")
+    x = _as_f64_copy(logits)
+    bits = np.unpackbits(m.view(np.uint8), bitorder="little")[:x.size].astype(bool)
+    x[:bits.size][~bits] = -np.inf
+    x[bits.size:] = -np.inf
+    return x
 
 
 # ---------------------------------------------------------------------------- the choice

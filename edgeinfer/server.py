@@ -29,6 +29,14 @@ Policy (documented for users):
   --max-tokens N``) when one is set; ``presence_penalty`` and
   ``frequency_penalty`` in [-2, 2] are applied; ``top_k``, ``min_p`` and
   ``repetition_penalty`` are accepted as extensions (as llama.cpp's server does).
+* ``response_format`` (json_object / json_schema) constrains the output
+  (:mod:`edgeinfer.constrained`); chat ``tools`` / ``tool_choice`` are rendered by the
+  model's template and calls parsed into ``tool_calls`` (:mod:`edgeinfer.tools`; a
+  template without tool support is a 400 saying why). A known OpenAI parameter that
+  would change the result and is not supported is a 400 naming it; an unknown field is
+  accepted and logged once (:mod:`edgeinfer.server_fields`).
+* A chat that outgrows the context drops its oldest turns (room for ``max_tokens``, 256
+  when unset, at most half the context) and says how many in ``usage.dropped_turns``.
 * ``created`` is the time the request arrived (seconds since the epoch), as OpenAI's.
 * One log line per request on the ``edgeinfer.server.access`` logger (INFO): method,
   path, status, prompt+completion tokens, seconds (:func:`serve` prints them on stderr
@@ -74,6 +82,7 @@ from .server_requests import (
     parse_common,
     read_json,
 )
+from .server_fields import LogOnce, check_fields, get_response_format, get_tools
 from .server_stream import (
     EventStream,
     Generation,
@@ -147,6 +156,7 @@ class _Server:
         # worker thread), so queued requests cost no thread and are served in order.
         self.gate = asyncio.Lock()
         self.counters = ServerCounters()
+        self.log_once = LogOnce()  # unknown request fields, logged once each
 
     # ---- plumbing --------------------------------------------------------------------
     def _on_done(self, loop: asyncio.AbstractEventLoop, gen: Generation,
@@ -213,8 +223,10 @@ class _Server:
     async def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
         try:
             ids = await run_in_threadpool(fn)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except (ValueError, TypeError) as e:  # chat template errors, bad token ids
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None) or param) from None
         if not ids:
             raise invalid(param, f"'{param}' encodes to no tokens")
         return ids
@@ -242,16 +254,45 @@ class _Server:
         created = int(time.time())  # when the request arrived, not when it is answered
         check_auth(request, self.api_key)
         body = await read_json(request, self.limits.max_json_depth)
+        check_fields(body, True, self.log_once)
         req = parse_common(body, self.model_name, self.sampling_defaults)
         messages = get_messages(body)
-        ids = await self._encode(lambda: self.model.encode_chat(messages), "messages")
+        req.chat = True
+        req.grammar = get_response_format(body)
+        tools = get_tools(body)
+        if tools.active:
+            reason = self.model.tool_support()
+            if reason:
+                raise invalid("tools", f"this model cannot call tools: {reason}")
+            if req.grammar is not None:
+                raise invalid("response_format", "'response_format' with 'tools' is not "
+                              "supported; give one or the other (or tool_choice 'none')")
+            from .errors import GrammarError
+            from .tools import call_grammar
+            try:
+                req.grammar = call_grammar(tools.tools, tools.choice, self.model.tokenizer,
+                                           parallel=tools.parallel)
+            except GrammarError as e:
+                raise invalid("tools", f"a tool's parameters cannot be used: {e}") from None
+            req.tools = tools
+        # room for the reply: max_tokens (256 when unset), at most half the context
+        reserve = min(req.max_tokens or self.default_max_tokens or 256, self.model.n_ctx // 2)
+
+        def encode() -> list[int]:
+            ids, req.dropped_turns = self.model.chat_ids(
+                messages, tools=tools.tools if tools.active else None, reserve=reserve)
+            return ids
+
+        ids = await self._encode(encode, "messages")
         return await self._respond(request, ids, req, chat=True, created=created)
 
     async def completions(self, request: Request) -> Response:
         created = int(time.time())
         check_auth(request, self.api_key)
         body = await read_json(request, self.limits.max_json_depth)
+        check_fields(body, False, self.log_once)
         req = parse_common(body, self.model_name, self.sampling_defaults)
+        req.grammar = get_response_format(body)
         prompt = get_prompt(body)
         if isinstance(prompt, str):
             ids = await self._encode(lambda: self.model.encode_prompt(
@@ -299,12 +340,20 @@ class _Server:
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening
         text, final = self._result_or_error(work)
-        reason = openai_finish_reason(final.finish_reason if final else None)
-        usage = usage_of(final.stats if final else None)
+        calls = []
+        if gen.req.tools is not None:
+            from .tools import parse_tool_calls
+            text, calls = parse_tool_calls(text, gen.req.tools.names)
+        reason = openai_finish_reason(final.finish_reason if final else None, bool(calls))
+        usage = usage_of(final.stats if final else None,
+                         gen.req.dropped_turns if chat else None)
         request.state.usage = usage  # for the access log
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -326,15 +375,36 @@ class _Server:
                       created: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        def chunk(text: str | None, reason: str | None, role: bool = False,
+                  delta: dict | None = None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else \
-                    ({} if text is None else {"content": text})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if role else \
+                        ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
             return sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                          "system_fingerprint": None, "choices": [choice]})
+
+        parser = None
+        if gen.req.tools is not None:
+            from .tools import ToolCallParser
+            parser = ToolCallParser(names=gen.req.tools.names)
+
+        def tool_chunks(events: list[tuple]):
+            for e in events:
+                if e[0] == "content":
+                    if e[1] and not (parser.calls and not e[1].strip()):
+                        yield chunk(e[1], None)
+                elif e[0] == "call":
+                    c = e[1]
+                    yield chunk(None, None, delta={"tool_calls": [
+                        {"index": c.index, "id": c.id, "type": "function",
+                         "function": {"name": c.name, "arguments": ""}}]})
+                elif e[2]:
+                    yield chunk(None, None, delta={"tool_calls": [
+                        {"index": e[1], "function": {"arguments": e[2]}}]})
 
         if chat:
             yield chunk(None, None, role=True)
@@ -343,9 +413,16 @@ class _Server:
         try:
             async for ev in gen.events():
                 if ev.text:
-                    yield chunk(ev.text, None)
+                    if parser is None:
+                        yield chunk(ev.text, None)
+                    else:
+                        for c in tool_chunks(parser.feed(ev.text)):
+                            yield c
                 if ev.finish_reason is not None:
                     final = ev
+            if parser is not None:
+                for c in tool_chunks(parser.finish()):
+                    yield c
         except Exception as e:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does
             err = e if isinstance(e, APIError) else APIError(
                 400 if isinstance(e, EdgeInferError) else 500,
@@ -355,9 +432,10 @@ class _Server:
                                   "code": err.code}})
             yield "data: [DONE]\n\n"
             return
-        usage = usage_of(final.stats if final else None)
+        usage = usage_of(final.stats if final else None, gen.req.dropped_turns if chat else None)
         request.state.usage = usage  # for the access log
-        yield chunk(None, openai_finish_reason(final.finish_reason if final else None))
+        yield chunk(None, openai_finish_reason(final.finish_reason if final else None,
+                                               bool(parser is not None and parser.calls)))
         if gen.req.include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                         "system_fingerprint": None, "choices": [], "usage": usage})

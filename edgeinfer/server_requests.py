@@ -165,7 +165,34 @@ def get_messages(body: dict) -> list[dict]:
         else:
             check_text(content, f"{p}.content")
         # OpenAI's "developer" role is the system prompt of newer models; templates know "system"
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        msg.update(_tool_fields(m, role, p))
+        out.append(msg)
+    return out
+
+
+def _tool_fields(m: dict, role: str, p: str) -> dict:
+    """An assistant's ``tool_calls`` and a tool result's ``tool_call_id`` / ``name``,
+    checked, for the chat template to render."""
+    out = {}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise invalid(f"{p}.tool_calls", f"{p}.tool_calls must be a list", "invalid_type")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise invalid(f"{p}.tool_calls[{j}]", f"{p}.tool_calls[{j}] must be "
+                              "{'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+        out["tool_calls"] = calls
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            v = m.get(key)
+            if v is not None and not isinstance(v, str):
+                raise invalid(f"{p}.{key}", f"{p}.{key} must be a string", "invalid_type")
+            if v is not None:
+                out[key] = v
     return out
 
 
@@ -198,6 +225,10 @@ class GenRequest:
     stop: list[str]
     sampling: dict
     include_usage: bool = False
+    grammar: object = None  # an edgeinfer.constrained.Grammar the output must match
+    tools: object = None  # an active edgeinfer.server_fields.ToolRequest (chat only)
+    dropped_turns: int = 0  # oldest chat turns dropped to fit the context
+    chat: bool = False  # a chat reply (no SentencePiece leading space restored)
     parse_special: bool = True
 
 
@@ -255,7 +286,7 @@ def parse_common(body: dict, model_name: str, defaults: dict | None = None) -> G
         SamplingParams(**sampling)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
-    # logit_bias, user, metadata, tools, ... are accepted and ignored
+    # the other fields: edgeinfer.server_fields.check_fields
     return GenRequest(stream=stream, max_tokens=max_tokens, stop=get_stop(body),
                       sampling=sampling, include_usage=include_usage,
                       parse_special=get_bool(body, "parse_special", True))

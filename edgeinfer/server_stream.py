@@ -60,7 +60,9 @@ class Generation:
                 return
             max_tokens = self.req.max_tokens or max(1, self.model.n_ctx - len(self.ids))
             for ev in self.model.stream_ids(self.ids, max_tokens=max_tokens, stop=self.req.stop,
-                                            cancel=self.cancel, **self.req.sampling):
+                                            cancel=self.cancel, grammar=self.req.grammar,
+                                            leading_space=not self.req.chat,
+                                            **self.req.sampling):
                 if ev.finish_reason is not None:
                     finish = ev.finish_reason
                 if ev.text or ev.finish_reason is not None:
@@ -101,15 +103,23 @@ class ServerCounters:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-def openai_finish_reason(reason: str | None) -> str:
+def openai_finish_reason(reason: str | None, tool_calls: bool = False) -> str:
     # "stop" and "length" are OpenAI's; "cancelled" only happens for clients that left.
+    # A reply that ended by itself after tool calls finishes with "tool_calls".
+    if tool_calls and reason == "stop":
+        return "tool_calls"
     return reason if reason in ("stop", "length") else "stop"
 
 
-def usage_of(stats) -> dict:
+def usage_of(stats, dropped_turns: int | None = None) -> dict:
+    """OpenAI's usage counts; a chat also gets ``dropped_turns`` (edgeinfer's: the oldest
+    turns dropped to fit the context)."""
     p = stats.prompt_tokens if stats else 0
     c = stats.generated_tokens if stats else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if dropped_turns is not None:
+        usage["dropped_turns"] = dropped_turns
+    return usage
 
 
 def sse(obj: Any) -> str:

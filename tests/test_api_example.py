@@ -127,3 +127,40 @@ def test_warm_up_runs_the_kernels_and_leaves_an_empty_cache(model):
     assert seconds > 0
     assert model.engine.cached_ids == [] and model.engine.cache.length == 0
     assert model.generate("Once upon a time", max_tokens=8).startswith(", there was a little")
+
+
+def test_a_completion_keeps_the_space_that_begins_its_first_word_as_llama_cpp(model,
+                                                                            stories_gguf):
+    """stories260K's SentencePiece decoder strips the first piece's space; a completion of
+    "Once upon a time," still starts " there", as llama.cpp prints it (same GGUF)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the peer (../shared/peer)")
+    ours = model.generate("Once upon a time,", max_tokens=12)
+    peer = llama_cpp.Llama(model_path=str(stories_gguf), n_ctx=128, verbose=False)
+    theirs = peer.create_completion("Once upon a time,", max_tokens=12, temperature=0)
+    assert ours == theirs["choices"][0]["text"] == " there was a little girl named Lily. She lo"
+    # a chat reply starts at its first character
+    reply = model.chat([{"role": "user", "content": "Once upon a time,"}], max_tokens=4)
+    assert reply == "there was a little"
+
+
+def test_a_stream_cancelled_while_waiting_for_the_model_ends_with_stats(model):
+    """The README's ``reply[-1].stats.generated_tokens`` holds even when the stream never
+    got the model: cancelled while another call held its lock."""
+    cancel = threading.Event()
+    with model._lock:  # another call is generating
+        events = model.stream("Once upon a time", max_tokens=8, cancel=cancel)
+        cancel.set()
+        evs = list(events)
+    assert len(evs) == 1 and evs[0].finish_reason == "cancelled"
+    st = evs[0].stats
+    assert st.generated_tokens == 0 and st.prompt_tokens == 5 and st.peak_rss_mb > 0
+
+
+def test_load_warm_runs_the_warm_up_and_reports_its_stages(stories_dir):
+    import edgeinfer
+
+    said = []
+    m = edgeinfer.load(stories_dir, backend="reference", warm=True, notify=said.append)
+    assert said == ["warming up: prefill", "warming up: decode", "warming up: sampling"]
+    assert m.engine.cache.length == 0
+    assert m.generate("Once upon a time", max_tokens=4).startswith(", there")

@@ -433,3 +433,35 @@ def test_engine_stream_allocates_nothing_per_sampled_token(quant_model):
         assert final.stats.generated_tokens == n  # (the tiny model emits no EOS here)
         counts.append(n_np[0])
     assert counts[1] == counts[0], counts
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {**SAMPLED, "seed": 1}])
+def test_masked_sampling_allocates_nothing(quant_model, params):
+    """The sampler under a token mask (constrained output) allocates nothing per token:
+    the mask kernels work in place on the logits / workspace. The numpy reference with
+    the mask is the positive control: the counters see its copies."""
+    from edgeinfer.constrained import mask_words
+    from edgeinfer.engine import Engine
+    from edgeinfer.sampling import Sampler, SamplingParams, sample
+    eng = Engine(quant_model, None, n_ctx=64, kv_dtype="int8", prefill_chunk=8)
+    p = SamplingParams(**params)
+    logits, _ = eng.prefill(PROMPT.tolist())
+    vocab = logits.shape[-1]
+    mask = np.zeros(mask_words(vocab), np.int32)
+    mask[:2] = -1  # ids 0..63 allowed
+    s = Sampler(vocab)
+    s.start(p, PROMPT.tolist())
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # warm-up
+        tok = s.sample(logits, rng, mask)
+        s.accept(tok)
+        logits = eng.decode_one(tok)
+    with numpy_allocs() as n_np, nrt_allocs() as n_nrt:
+        for _ in range(4):
+            tok = s.sample(logits, rng, mask)
+            s.accept(tok)
+            assert tok < 64
+    assert n_np[0] == 0 and n_nrt[0] == 0, (n_np[0], n_nrt[0])
+    with numpy_allocs() as n_ref:
+        sample(logits, p, rng, PROMPT.tolist(), mask)
+    assert n_ref[0] >= 1

@@ -137,6 +137,23 @@ def test_spm_metaspace_spaces_and_first_token_strip(spm):
     assert len([c for c in chunks if c]) > 5  # really streamed, word by word
 
 
+def test_leading_space_restores_the_first_pieces_stripped_space(spm, bpe):
+    """A completion's first piece "▁there" keeps its space (llama.cpp prints it); the
+    rest of the text, and byte-level BPE, are unchanged; off by default."""
+    ids = spm.encode("there was a girl.")  # "▁there ▁was ...": the dummy-prefix mark
+    assert spm.id_to_token(ids[0]) == "\u2581there"
+    chunks, tail = stream(spm, ids, leading_space=True)
+    assert "".join(chunks) + tail == " " + spm.decode(ids) == " there was a girl."
+    chunks, tail = stream(spm, ids)  # default: the decode's own text
+    assert "".join(chunks) + tail == "there was a girl."
+    ing = spm.encode("playing")[1:]  # "ing": a piece without the ▁ mark gets no space
+    assert spm.id_to_token(ing[0]) == "ing"
+    assert "".join(stream(spm, ing, leading_space=True)[0]) == "ing"
+    ids = bpe.encode(" hello world")
+    chunks, tail = stream(bpe, ids, leading_space=True)
+    assert "".join(chunks) + tail == bpe.decode(ids) == " hello world"
+
+
 def test_spm_cut_inside_byte_run(spm):
     ids = spm.encode("a私")
     cut = ids[:-1]  # E7 A7: an incomplete character

@@ -78,3 +78,36 @@ def test_windowed_layers_plan_matches_a_ring_cache():
 def test_weight_bytes_counts_arrays():
     import numpy as np
     assert weight_bytes({"a": np.zeros((3, 4), np.float32), "b": np.zeros(8, np.uint8)}) == 56
+
+
+def test_one_context_rule():
+    from edgeinfer.memory import DEFAULT_CONTEXT, context_length
+
+    assert DEFAULT_CONTEXT == 4096
+    assert context_length(8192) == 4096          # SmolLM2: the default, not the model's 8192
+    assert context_length(2048) == 2048          # a model with fewer positions
+    assert context_length(8192, memory_max=8192) == 4096  # a big budget does not raise it
+    assert context_length(8192, memory_max=3000) == 3000  # a small one lowers it
+    assert context_length(8192, n_ctx=8192) == 8192 and context_length(512, n_ctx=9000) == 512
+
+
+def test_info_and_the_runtime_state_the_same_context(smollm2_gguf):
+    """`edgeinfer info` names the context chat/serve run with (and the model's limit
+    apart), with or without a memory budget."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from edgeinfer import api
+    from edgeinfer.readers import read_model
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    for extra in ([], ["--max-memory", "4000"]):
+        r = subprocess.run([sys.executable, "-m", "cli", "info", str(smollm2_gguf), "--json",
+                            *extra], capture_output=True, text=True, timeout=240, cwd=root)
+        assert r.returncode == 0, r.stderr
+        info = json.loads(r.stdout)
+        assert (info["context"], info["model_context"]) == (4096, 8192)
+    src = read_model(str(smollm2_gguf))
+    assert api.Model(src, backend="reference", max_memory=4000).n_ctx == 4096

@@ -50,7 +50,7 @@ def _require_pyopencl():
     if cl is None:
         raise OpenCLUnavailableError(
             f"the OpenCL backend needs pyopencl ({_IMPORT_ERROR}); install it with "
-            "`pip install 'edgeinfer[opencl]'` (add `pocl-binary-distribution` for a CPU device)")
+            "`pip install 'edgeinfer[opencl]'` (pyopencl with PoCL, a CPU OpenCL device)")
     return cl
 
 
@@ -67,8 +67,9 @@ def _platforms():
         raise OpenCLUnavailableError(
             "no OpenCL platform found"
             + (f" ({err})" if err else "")
-            + "; install your GPU vendor's OpenCL driver (ICD) or the PoCL CPU runtime "
-              "(`pip install pocl-binary-distribution`), or use --backend cpu")
+            + "; install your GPU vendor's OpenCL driver (ICD), or the PoCL CPU runtime with "
+              "`pip install 'edgeinfer[opencl]'` (or `pip install pocl-binary-distribution`), "
+              "or use --backend cpu")
     return plats
 
 
