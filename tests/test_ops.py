@@ -26,8 +26,6 @@ OpenCL cases skip, naming why, only when pyopencl or an OpenCL device is missing
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,6 +35,7 @@ import pytest
 
 from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
 from edgeinfer.backends.reference import ReferenceBackend
+from parity import backend, nmse
 
 THRESHOLD = {"f32": 1e-10, "act8": 5e-4, "kvq": 1e-6}
 
@@ -48,45 +47,6 @@ ATTENTION = ("cpu", "opencl-fused")
 ATTENTION_SPLIT = ATTENTION + ("opencl-splitkv",)
 KV_DTYPES = ("f32", "f16", "int8", "int4", "k8v4")
 KV_QUANT = ("int8", "int4", "k8v4")
-
-
-@functools.cache
-def _backend_or_reason(name: str):
-    if name.startswith("cpu"):
-        from edgeinfer.backends.cpu import CpuBackend
-
-        return CpuBackend(exact_decode=name == "cpu-exact"), None
-    try:
-        from edgeinfer.backends.opencl import OpenCLBackend, OpenCLUnavailableError
-    except ImportError as e:
-        return None, f"pyopencl is not installed (pip install 'edgeinfer[opencl]'): {e}"
-    try:
-        be = OpenCLBackend()
-    except OpenCLUnavailableError as e:
-        return None, f"no usable OpenCL device: {e}"
-    if name == "opencl-splitkv":
-        be.caps = dataclasses.replace(be.caps, split_kv_chunk=16, split_kv_max_t=8)
-    else:
-        be.caps = dataclasses.replace(be.caps, fused=name == "opencl-fused")
-    return be, None
-
-
-def backend(name: str):
-    be, reason = _backend_or_reason(name)
-    if be is None:
-        pytest.skip(reason)
-    return be
-
-
-def nmse(y, ref) -> float:
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    assert y.shape == ref.shape, (y.shape, ref.shape)
-    assert np.isfinite(y).all(), "non-finite output"
-    den = float(np.sum(ref * ref))
-    num = float(np.sum((y - ref) ** 2))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return num / den
 
 
 # ---- weights ----------------------------------------------------------------------------
