@@ -12,16 +12,18 @@ output). One threshold per dtype class (:data:`THRESHOLD`):
 * ``act8``: the CPU backend's decode GEMV on quantized weights (T <= 2), whose
   activations are rounded to int8 per 32-block (llama.cpp's Q8_0 recipe): 5e-4, the
   bound test-backend-ops uses for quantized matmuls (relative error norm 2.2e-2);
-* ``kvq``: attention over a quantized cache against the reference's own cache of that
-  format: 1e-6. A device may store a different code where a rotated K value lies within
-  float32 rounding of a boundary (``tests/kv_admissible.py``), which moves the output by
-  ~1e-4 relative; the ``f32`` check against the backend's own stored values is the tight
-  one. (The CPU backend writes the reference's bytes: ``test_cpu_kernels.py``.)
+* ``kvq``: OpenCL attention over a quantized cache against the reference's own cache of
+  that format: 1e-6. A device may store a different code where a rotated K value lies
+  within float32 rounding of a boundary (``tests/kv_admissible.py``), which moves the
+  output by ~1e-4 relative; so the same call is also checked at ``f32`` against the
+  reference attending over the backend's own stored K/V (dequantized). The CPU backend
+  writes the reference's bytes (``test_cpu_kernels.py``): its quantized caches are ``f32``.
 
-Backends: ``cpu`` (Numba, default options), ``cpu-exact`` (``exact_decode=True``: float
-activations; linears only), ``opencl`` (the default device: PoCL here) with its row
-kernels / fused paths (``fused``) forced on and off for linears and heads, and with the
-split-KV attention forced (``opencl-splitkv``, 16-key chunks) for f32 / f16 attention.
+Backends (``tests/parity.py``): ``cpu`` (Numba, default options), ``cpu-exact``
+(``exact_decode=True``: float activations; linears and heads), ``opencl-fused`` /
+``opencl-unfused`` (the default device, PoCL here, with its row kernels and fused paths
+forced on / off; attention once, as it does not depend on them), ``opencl-splitkv`` (the
+split-KV attention forced, 16-key chunks; f32 / f16 attention).
 OpenCL cases skip, naming why, only when pyopencl or an OpenCL device is missing.
 """
 from __future__ import annotations
@@ -83,9 +85,9 @@ def _weight(rng, fmt, out, n_in, g=32, sym=False):
 # ---- the case table ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """``run(be, name)`` returns the host outputs (one array or a list, one per call) and
-    the dtype class of the comparison; the reference is ``run(REF, "reference")``.
-    ``check`` (optional) returns further (outputs, reference outputs, class) triples
+    """``run(be, name)`` returns ``(outputs, class, *extra)``: the host outputs (one array
+    or a list, one per call), compared with ``run(REF, "reference")``'s at ``class``;
+    each extra ``(outputs, reference outputs, class)`` is a further comparison the run
     computed from the backend's own state."""
 
     op: str
