@@ -10,7 +10,6 @@ Error measure where a test compares: ``nerr = max|y - y_ref| / max(max|y_ref|, 1
 """
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest

@@ -516,3 +516,27 @@ def test_glu_refuses_an_unknown_activation(name):
     g = be.upload(np.ones((2, 8), np.float32))
     with pytest.raises(ValueError):
         be.glu(g, g, "relu")
+
+
+class _Off:
+    """A backend whose ``op`` returns its output scaled by 1 + 1e-4 (a negative control)."""
+
+    def __init__(self, be, op):
+        self._be, self._op = be, op
+
+    def __getattr__(self, name):
+        fn = getattr(self._be, name)
+        if name != self._op:
+            return fn
+        be = self._be
+        return lambda *a, **k: be.upload(be.to_host(fn(*a, **k)) * np.float32(1 + 1e-4))
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "rope", "glu", "attention", "linear"])
+@pytest.mark.parametrize("name", ["cpu", "opencl-fused"])
+def test_matrix_sees_a_small_error(name, op):
+    """Negative control on the pipeline: a 1e-4 relative error in one op fails its cases."""
+    c = next(c for c in CASES if c.op == op and name in c.backends)
+    want = c.run(REF, "reference")[0]
+    ys, cls = c.run(_Off(backend(name), op), name)[:2]
+    assert _worst(ys, want) > THRESHOLD[cls]
