@@ -312,9 +312,8 @@ def prepared_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path
 
 
 def _convert_seconds_estimate(entry: CatalogEntry) -> int:
-    """Rough wall time (s) of the first-run conversion: ~5 s per 100 MB of GGUF (SmolLM2's
-    98 MB measured 2.8-3.1 s on 2 idle cores, 9.5 s at load ~8; the float32 tensors are
-    rebuilt)."""
+    """Rough wall time (s) of the first-run conversion: ~5 s per 100 MB of GGUF (the
+    float32 tensors are rebuilt), at least 5."""
     return max(5, round(entry.size / 20e6))
 
 

@@ -21,7 +21,8 @@ The environment matches what Hugging Face transformers uses for ``apply_chat_tem
 
 The rendered text already contains every control token the model expects (BOS
 included, where the template writes ``{{ bos_token }}``); it must be tokenized WITHOUT
-adding special tokens again (case C07, transformers#37686, llama-cpp-python#1439).
+adding special tokens again (https://github.com/abetlen/llama-cpp-python/pull/1439,
+https://github.com/huggingface/transformers/issues/37686).
 
 Rendering is bounded (:mod:`edgeinfer.template_sandbox`): a deadline (2 s by default),
 a size limit on the text and on every value the template builds (``RenderLimits``), and
@@ -240,7 +241,7 @@ def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
     labels: a single user message becomes its text verbatim, which is what a base model
     should continue. List contents (multimodal parts) contribute their "text" parts.
     Encode the result with ``Tokenizer.encode(text, add_special=True)`` so that the model's
-    ``add_bos_token`` setting still applies exactly once (case C07).
+    ``add_bos_token`` setting still applies exactly once.
 
     Raises:
         TypeError: a message is not a mapping, or its content is neither str nor list.

@@ -10,7 +10,7 @@ The JSON header maps tensor names to ``{"dtype", "shape", "data_offsets": [begin
 Tensors:
   * a :class:`~edgeinfer.backends.quantized.QuantizedTensor` ``N`` is stored as
     ``N.qweight`` (uint8 nibbles / int8), ``N.scales`` (float16, or float32 when a scale
-    overflows fp16, case C10) and ``N.zeros`` (packed uint8, asymmetric only);
+    overflows fp16: https://github.com/casper-hansen/AutoAWQ/issues/498) and ``N.zeros`` (packed uint8, asymmetric only);
   * a dense tensor ``N`` is stored as itself (float16 or float32; norms and biases float32).
 
 Metadata (every value a string; the structured ones are JSON):

@@ -2,9 +2,9 @@
 
 Why not ``decode([token_id])`` per token: a character can span several tokens. Byte-level
 BPE (GPT-2, Qwen, SmolLM2) splits a 3-byte CJK character or a 4-byte emoji across ids,
-and decoding one of those ids alone yields U+FFFD (case C01, vllm#931). SentencePiece
+and decoding one of those ids alone yields U+FFFD (https://github.com/vllm-project/vllm/issues/931). SentencePiece
 byte fallback (Llama-2, Phi-3) spells rare characters as ``<0xE7><0xA7><0x81>``; treating
-each as a code point gives mojibake like "ç§" (case C02, mlx-examples#808). SentencePiece
+each as a code point gives mojibake like "ç§" (https://github.com/ml-explore/mlx-examples/issues/808). SentencePiece
 decoders also strip the space of the first token ("▁Hello" → "Hello"), so a per-token
 decode loses every word boundary.
 

@@ -1,6 +1,6 @@
 """Stop conditions: end-of-sequence ids, stop strings, and the token budget.
 
-Two channels, because they see different things (case C06, llama.cpp#6772):
+Two channels, because they see different things (https://github.com/ggml-org/llama.cpp/issues/6772):
 
 - **ids** (``on_token``): EOS and end-of-turn control tokens. They decode to "" when
   special tokens are skipped, so a stop *string* "<|eot_id|>" can never match the text;

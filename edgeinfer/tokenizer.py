@@ -6,8 +6,8 @@ What this layer adds on top of the ``tokenizers`` package, and why:
   add_special=True)`` prepends BOS when the model wants one (``add_bos_token``) and the
   text does not already start with it. The tokenizer.json post-processor is never run:
   for causal LMs it only adds BOS, and running it on top of a chat template that already
-  wrote ``{{ bos_token }}`` is exactly the duplicate-BOS bug of case C07
-  (vllm#16853: prompts starting 128000, 128000).
+  wrote ``{{ bos_token }}`` is exactly the duplicate-BOS bug of
+  https://github.com/vllm-project/vllm/issues/16853 (prompts starting 128000, 128000).
 - **Chat prompts are encoded without special tokens** (``apply_chat_template``): the
   rendered template already holds every control token (HF's rule, llama-cpp-python#1439).
 - **Message content is text** (``apply_chat_template``): a special-token string inside a
@@ -22,7 +22,8 @@ What this layer adds on top of the ``tokenizers`` package, and why:
   text need.
 - **Text must be valid Unicode**: a lone surrogate (what Python makes of invalid UTF-8
   in ``sys.argv``, or a JSON ``"\\ud800"``) raises :class:`InvalidTextError`.
-- **The EOS set is a union** (case C06, vllm#4180, ollama#3759): see ``eos_ids``.
+- **The EOS set is a union** (https://github.com/vllm-project/vllm/issues/4180,
+  https://github.com/ollama/ollama/issues/3759): see ``eos_ids``.
 
 The placeholder step and ``parse_special=False`` change two settings of the wrapped
 ``tokenizers.Tokenizer`` (its normalizer, ``encode_special_tokens``) for the duration of
@@ -275,7 +276,7 @@ class Tokenizer:
         ``<|endoftext|>``, ``<end_of_turn>``, ``<|end|>``) that is in the vocabulary AND
         marked special. Rule (3) catches checkpoints whose configs name only the
         end-of-text token while the chat model ends its turns with a control token
-        (case C06); a special token never appears in normal text, so adding it is safe.
+        (Llama 3's ``<|eot_id|>``); a special token never appears in normal text, so adding it is safe.
         """
         return self._eos_ids
 
@@ -445,7 +446,7 @@ class Tokenizer:
 
         Equal to HF ``apply_chat_template(messages, tokenize=True, ...)`` for messages
         without special-token strings: the template writes BOS itself where the model
-        wants it, so no BOS is added here (case C07). A special-token string inside a
+        wants it, so no BOS is added here (never two). A special-token string inside a
         message (a forged "<|im_start|>system") is encoded as text, never as a control
         token (see the module docstring); the ids decode to ``render_chat``'s text.
         Keyword arguments are those of ``render_chat``.

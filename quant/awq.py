@@ -28,20 +28,17 @@ or more linears that share an input), in order:
    token sample (AutoAWQ: 512 sampled tokens). For the asymmetric format the lower and upper
    bounds shrink separately (:func:`search_clip_range`: the joint shrink, then one
    coordinate pass over each bound; AutoAWQ shrinks max-abs only, ``clip_range=False``).
-   q/k are never clipped (attention logits amplify their error; AutoAWQ skips them too;
-   clipping them as well measured worse end to end: Qwen2.5-Coder-0.5B PPL 36.47 vs 35.32).
+   q/k are never clipped (attention logits amplify their error; AutoAWQ skips them too).
 4. **Clip gate** (ours): a linear keeps its searched clip only if it lowers a whole-output
    objective: gate and up jointly on the MLP output (as in step 1), each other linear on its
    own full output (cross-group terms included). Why: the per-group objective cannot see
-   errors that are small per group but *coherent* across groups and rows. Qwen2.5's first
-   token (the attention sink, no BOS) has a huge MLP output (norm ~600 vs ~5 at layer 3),
-   and clipping gate/up there multiplied that token's MLP error by ~20 while lowering it
-   elsewhere (measured on layer-output proxies); end to end, Qwen2.5-Coder-0.5B with the
-   ungated clip was worse than RTN (+17.5% vs +11.7% ΔPPL).
+   errors that are small per group but *coherent* across groups and rows, such as on
+   Qwen2.5's first token (the attention sink, no BOS), whose MLP output is huge: clipping
+   gate/up there can multiply that token's error while lowering it elsewhere.
 
-Deviations, measured and left: q|k|v use the linear-output objective, not AutoAWQ's
-attention-block output (on a per-layer proxy the block objective changed the layer-output
-MSE by −6.5%..+3.4% on 5 layers of the two models, at several times the cost); no v→o group under GQA (AutoAWQ skips it too).
+Deviations: q|k|v use the linear-output objective, not AutoAWQ's attention-block output
+(no consistent gain, at several times the cost); no v→o group under GQA (AutoAWQ skips it
+too).
 
 The architecture knowledge (which op feeds which linears) is data: each family's
 ``awq_groups`` in :mod:`edgeinfer.models.families` (as mlx-lm's ``AWQ_MODEL_CONFIGS``). The v_proj → o_proj group needs ``v`` rows to map 1:1 on
@@ -69,7 +66,7 @@ def fake_quantize32(w: np.ndarray, bits: int = 4, group_size: int = 128,
                     symmetric: bool = False, clip: np.ndarray | None = None) -> np.ndarray:
     """Float32 ``dequantize(quantize_rtn(w))`` for the searches (4-bit; same rules as
     :func:`~edgeinfer.quant.rtn.group_params`: range including 0, scales floored and rounded
-    *up* to fp16, optional per-group max-abs ``clip``), about 3x faster than the float64 path.
+    *up* to fp16, optional per-group max-abs ``clip``), in float32 for speed.
 
     Args:
         w: float32 ``[out, in]``. clip: ``[out, n_groups]`` or None.

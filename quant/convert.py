@@ -7,7 +7,7 @@ What is stored (see :mod:`edgeinfer.container`):
   * ``model.embed_tokens.weight``: INT8 per row (``embed_bits=8``, default), or float16 /
     float32 (``embed_bits`` 16 / 32);
   * ``lm_head.weight``: tied (``tie_word_embeddings``) -> not stored, the runtime reuses the
-    embedding (stored once, case C15; a redundant head in the source is ignored, with a
+    embedding (stored once; a redundant head in the source is ignored, with a
     warning if it differs from the embedding); untied -> INT8 per row by default (same
     ``embed_bits``); untied but absent -> :class:`ModelFormatError`;
   * norms and biases: float32 (AWQ folds its scales into the norms / previous linears).

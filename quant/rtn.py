@@ -14,7 +14,7 @@ Rules (all math in float64, deterministic):
   the request, and divides ``in_features`` (SmolLM2's 576-wide rows at a requested 128 get
   groups of 96: 4.21 bits per weight instead of 4.63 with padding to 640). The group is
   recorded per tensor in the file. Only when no such divisor exists is the row padded.
-* **Padding (case C11).** When ``in_features % group_size != 0`` the input dimension is
+* **Padding** (https://github.com/ml-explore/mlx/issues/1033). When ``in_features % group_size != 0`` the input dimension is
   zero-padded up to the next multiple of the group (the padded columns are zero weights);
   their codes equal the group's zero point, so they dequantize to exactly 0 and the layer
   output for any ``x`` is unchanged. ``in_features`` keeps the true width.
@@ -23,7 +23,7 @@ Rules (all math in float64, deterministic):
   **Symmetric INT4** (GPTQ's ``sym``): ``s = 2 * absmax / 15``, ``z = 8`` (the largest
   magnitude then rounds to the edge code with an error of at most s/2).
   **INT8** (embeddings / lm_head): symmetric per row (or group), ``s = absmax / 127``.
-* **Guards (cases C09/C10).** Every scale is floored at :data:`SCALE_EPS` (an all-zero or
+* **Guards** (https://github.com/casper-hansen/AutoAWQ/pull/519). Every scale is floored at :data:`SCALE_EPS` (an all-zero or
   tiny group gets a finite scale and codes equal to its zero point: no NaN, no inf). Scales
   are rounded *up* to their storage dtype *before* the zero points and codes are computed,
   so the stored (scale, zero, code) triples are exactly what was optimized and every weight
@@ -72,7 +72,7 @@ def effective_group(in_features: int, group_size: int) -> int:
 
     ``group_size`` itself when it divides ``in_features`` (or is -1, or below 32); else the
     largest multiple of 32 that is ``<= group_size`` and divides ``in_features``; else
-    ``group_size`` (the row is then zero-padded, case C11).
+    ``group_size`` (the row is then zero-padded).
     """
     if group_size <= 32 or in_features % group_size == 0:
         return group_size
@@ -93,7 +93,7 @@ def pad_columns(w: np.ndarray, in_padded: int) -> np.ndarray:
 
 
 def storage_scales(s: np.ndarray, name: str = "") -> np.ndarray:
-    """Round float64 scales to their storage dtype: float16, or float32 on fp16 overflow (C10)."""
+    """Round float64 scales to their storage dtype: float16, or float32 on fp16 overflow."""
     s = np.maximum(np.asarray(s, np.float64), SCALE_EPS)
     with np.errstate(over="ignore"):  # values beyond fp16 become inf here: that is the test
         fits = np.array_equal(s.astype(np.float16).astype(np.float64), s)
@@ -184,7 +184,7 @@ def quantize_rtn(w: np.ndarray, bits: int = 4, group_size: int = 128, symmetric:
         w: float ``[out, in]`` (HF ``nn.Linear`` orientation); converted to float64.
         bits: 4 (asymmetric or symmetric) or 8 (symmetric per row/group; ``symmetric`` ignored).
         group_size: columns per group, or -1 for per-channel. Non-divisible ``in`` is
-            zero-padded (module docstring, case C11).
+            zero-padded (module docstring).
         symmetric: 4-bit only: fixed zero point 8 and no stored zeros.
         clip: optional ``[out, n_groups]`` max-abs clip per group (from AWQ's clip search).
         method: provenance tag stored with the tensor.

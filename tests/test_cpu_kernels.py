@@ -1,13 +1,7 @@
-"""Every CPU-backend op against the numpy reference backend (the oracle).
-
-Error metric: normalized error ``||y - y_ref|| / ||y_ref||`` (NMSE's square root).
-Bounds:
-* float32 ops (rmsnorm, rope, glu, add, embed, attention, dense linear, prefill GEMM on
-  dequantized tiles): ``FLOAT_TOL = 1e-5``;
-* decode GEMV on quantized weights (int8 activations per 32-block, llama.cpp's Q8_0
-  recipe): ``ACT8_TOL = 1.5e-2`` on Gaussian activations (observed 0.4-0.7%), and with
-  outliers the provable bound ``|y - y_ref| <= sum_k |W[r, k]| * dx[block(k)] / 2``
-  (each activation is rounded by at most half its block's step ``dx = max|x_b| / 127``).
+"""CPU-backend properties beyond op parity (that is tests/test_ops.py's matrix): the
+int8-activation GEMV's provable error bound under outliers, the portable row kernels,
+bit-exact quantized KV writes, f16 saturation, serial == parallel decode attention,
+fused linear groups, option and error handling, import hygiene.
 """
 from __future__ import annotations
 
@@ -22,12 +16,14 @@ from edgeinfer.backends.cpu.gemv import ActScratch, quantize_act
 from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
 from edgeinfer.backends.reference import ReferenceBackend
 
+#: Bounds on ``nerr = ||y - y_ref|| / ||y_ref||`` (also used by test_cpu_fused.py): float32
+#: math on both sides; the decode GEMV's int8 activations (per 32-block, llama.cpp's Q8_0
+#: recipe) on Gaussian activations (NMSE and its op-parity cases: tests/test_ops.py).
 FLOAT_TOL = 1e-5
 ACT8_TOL = 1.5e-2
 
 REF = ReferenceBackend()
 CPU = CpuBackend()
-CPU_EXACT = CpuBackend(exact_decode=True)
 
 
 def nerr(y, ref):
@@ -75,39 +71,25 @@ QCASES = [  # (bits, out, in, group, symmetric)
 ]
 
 
-@pytest.mark.parametrize("bits,out,n_in,group,sym", QCASES)
-@pytest.mark.parametrize("t", [1, 2, 5])
-def test_linear_quantized(bits, out, n_in, group, sym, t):
+@pytest.mark.parametrize("bits,out,n_in,group,sym", [c for c in QCASES if c[3] != 16])
+@pytest.mark.parametrize("t", [1, 2])
+def test_act8_outlier_within_provable_bound(bits, out, n_in, group, sym, t):
+    """The decode GEMV's int8 activations with an outlier (40.0, which coarsens its block's
+    step): every output within ``sum_k |W[r, k]| * dx[block(k)] / 2`` of the reference."""
     rng = np.random.default_rng(out * 1000 + n_in + t)
     w = random_q(rng, out, n_in, bits, group, sym)
     x = rng.standard_normal((t, n_in)).astype(np.float32)
     bias = rng.standard_normal(out).astype(np.float32)
     h = CPU.upload_weight(w)
-    int8_act = t <= 2 and isinstance(h, CpuQuantWeight)
-    ref = REF.linear(x, REF.upload_weight(w), bias)
-    assert nerr(CPU.linear(x, h, bias), ref) < (ACT8_TOL if int8_act else FLOAT_TOL)
-    assert nerr(CPU_EXACT.linear(x, CPU_EXACT.upload_weight(w), bias), ref) < FLOAT_TOL
-    x[0, n_in // 2] = 40.0  # an outlier: coarsens its block's activation step
+    assert isinstance(h, CpuQuantWeight)  # (group 16 straddles 32-blocks: dense, exact)
+    x[0, n_in // 2] = 40.0
     ref = REF.linear(x, REF.upload_weight(w), bias)
     y = CPU.linear(x, h, bias)
-    if int8_act:
-        wd = w.dequantize()
-        for i in range(t):
-            bound = act8_bound(wd, x[i]) * 1.001 + 1e-5 * (np.abs(ref[i]) + 1)
-            assert (np.abs(y[i] - ref[i]) <= bound).all()
-    else:
-        assert nerr(y, ref) < FLOAT_TOL
-
-
-def test_linear_quantized_large_magnitudes():
-    rng = np.random.default_rng(7)
-    w = random_q(rng, 40, 256, 4, 32, sym=False, scale=300.0)
-    x = (rng.standard_normal((1, 256)) * 1e4).astype(np.float32)
-    ref = REF.linear(x, REF.upload_weight(w))
-    assert np.isfinite(CPU.linear(x, CPU.upload_weight(w))).all()
-    assert nerr(CPU.linear(x, CPU.upload_weight(w)), ref) < ACT8_TOL
-    x0 = np.zeros((1, 256), np.float32)  # all-zero activations: zero scale, no NaN
-    assert np.array_equal(CPU.linear(x0, CPU.upload_weight(w)), np.zeros((1, 40), np.float32))
+    wd = w.dequantize()
+    for i in range(t):
+        bound = act8_bound(wd, x[i]) * 1.001 + 1e-5 * (np.abs(ref[i]) + 1)
+        assert (np.abs(y[i] - ref[i]) <= bound).all()
+    assert nerr(y, ref) > 0  # control: the int8 rounding is really there
 
 
 def test_portable_rows_match_simd_math():
@@ -129,110 +111,6 @@ def test_portable_rows_match_simd_math():
         ref = w.dequantize() @ x
         assert nerr(y, ref) < ACT8_TOL
         assert nerr(y, CPU.linear(x[None], h)[0]) < 1e-5
-
-
-@pytest.mark.parametrize("t", [1, 4])
-def test_linear_dense(t):
-    rng = np.random.default_rng(t)
-    w = rng.standard_normal((33, 70)).astype(np.float32)
-    x = rng.standard_normal((t, 70)).astype(np.float32)
-    b = rng.standard_normal(33).astype(np.float32)
-    assert nerr(CPU.linear(x, CPU.upload_weight(w), b), REF.linear(x, REF.upload_weight(w), b)) < FLOAT_TOL
-
-
-@pytest.mark.parametrize("kind", ["dense", "q4", "q8"])
-def test_embed(kind):
-    rng = np.random.default_rng(11)
-    if kind == "dense":
-        table = rng.standard_normal((50, 40)).astype(np.float32)
-    else:
-        table = random_q(rng, 50, 40, 4 if kind == "q4" else 8, 32, sym=False)
-    ids = np.array([0, 49, 7, 7], np.int32)
-    for scale in (1.0, 6.5):
-        ref = REF.embed(REF.upload_embedding(table), ids, scale)
-        assert nerr(CPU.embed(CPU.upload_embedding(table), ids, scale), ref) < FLOAT_TOL
-
-
-@pytest.mark.parametrize("shape", [(1, 64), (5, 576), (70, 1000), (3, 4, 8)])
-@pytest.mark.parametrize("unit_offset", [False, True])
-def test_rmsnorm(shape, unit_offset):
-    rng = np.random.default_rng(len(shape))
-    x = (rng.standard_normal(shape) * 1e3).astype(np.float32)
-    w = rng.standard_normal(shape[-1]).astype(np.float32)
-    assert nerr(CPU.rmsnorm(x, w, 1e-6, unit_offset), REF.rmsnorm(x, w, 1e-6, unit_offset)) < FLOAT_TOL
-
-
-@pytest.mark.parametrize("t,h,hd,rdim", [(1, 9, 64, 64), (7, 2, 8, 8), (300, 3, 16, 8)])
-def test_rope(t, h, hd, rdim):
-    rng = np.random.default_rng(t)
-    x = rng.standard_normal((t, h, hd)).astype(np.float32)
-    ang = rng.random((512, rdim // 2)).astype(np.float32) * 6
-    cos, sin = np.cos(ang), np.sin(ang)
-    pos = rng.integers(0, 512, t).astype(np.int32)
-    assert nerr(CPU.rope(x, cos, sin, pos), REF.rope(x, cos, sin, pos)) < FLOAT_TOL
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("t", [1, 40])
-def test_glu(act, t):
-    rng = np.random.default_rng(5)
-    g = (rng.standard_normal((t, 1536)) * 8).astype(np.float32)
-    g[0, :4] = [-100.0, 100.0, 0.0, -30.0]
-    u = rng.standard_normal((t, 1536)).astype(np.float32)
-    assert nerr(CPU.glu(g, u, act), REF.glu(g, u, act)) < FLOAT_TOL
-    with pytest.raises(ValueError):
-        CPU.glu(g, u, "relu")
-
-
-def test_add():
-    a, b = np.ones((2, 3), np.float32), np.full((2, 3), 2.5, np.float32)
-    assert np.array_equal(CPU.add(a, b), REF.add(a, b))
-
-
-@pytest.mark.parametrize("hq,hkv,hd", [(8, 2, 8), (9, 3, 64), (4, 4, 16)])
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
-@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "int4", "k8v4"])
-def test_attention_prefill_then_decode(hq, hkv, hd, window, softcap, dtype):
-    """Prefill 31 tokens in three chunks, then 2 decode steps; caches and outputs agree.
-
-    int8/int4 caches (when this tree's HostKVCache has them) go through the cache's own
-    encode/decode in both backends, so they agree to float32 rounding too."""
-    if dtype not in getattr(kvcache, "ALL_KV_DTYPES", kvcache.KV_DTYPES):
-        pytest.skip(f"HostKVCache has no {dtype}")
-    rng = np.random.default_rng(hq * hd)
-    caches = [be.new_kv_cache(2, hkv, hd, 40, dtype) for be in (REF, CPU)]
-    pos = 0
-    for t in (20, 7, 4, 1, 1):  # 20: the BLAS prefill path, 7 / 4: the Numba kernel
-        q = rng.standard_normal((t, hq, hd)).astype(np.float32) * 2
-        k = rng.standard_normal((t, hkv, hd)).astype(np.float32) * 2
-        v = rng.standard_normal((t, hkv, hd)).astype(np.float32)
-        outs = [be.attention(q, k, v, c, 1, pos, hd ** -0.5, window, softcap)
-                for be, c in zip((REF, CPU), caches)]
-        # f16 caches round K/V identically (round-to-nearest-even) in both backends
-        assert nerr(outs[1], outs[0]) < FLOAT_TOL
-        pos += t
-    for a, b in zip(caches[0].read(1, pos), caches[1].read(1, pos)):
-        assert np.array_equal(a, b)
-
-
-def test_attention_ring_cache_window():
-    """Sliding-window layers stored as a ring (when HostKVCache supports window_sizes)."""
-    import inspect
-    if "window_sizes" not in inspect.signature(kvcache.HostKVCache.__init__).parameters:
-        pytest.skip("HostKVCache has no ring storage")
-    rng = np.random.default_rng(0)
-    hq, hkv, hd, w = 4, 2, 16, 4
-    caches = [kvcache.HostKVCache(2, hkv, hd, 48, "f32", window_sizes=[w, None], max_chunk=16)
-              for _ in range(2)]
-    pos = 0
-    for t in (8, 8, 1, 1, 5, 1, 16):
-        q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
-        for layer in (0, 1):
-            win = w if layer == 0 else None
-            o_ref = REF.attention(q, k, v, caches[0], layer, pos, 0.25, win)
-            o_cpu = CPU.attention(q, k, v, caches[1], layer, pos, 0.25, win)
-            assert nerr(o_cpu, o_ref) < FLOAT_TOL
-        pos += t
 
 
 def test_attention_f16_cache_saturates_like_reference():
@@ -274,7 +152,7 @@ QKV = ["int8", "int4", "k8v4"]
 def _kv_chunk(rng, t, hkv, hd, kind):
     k = rng.standard_normal((t, hkv, hd)).astype(np.float32) * 2
     v = rng.standard_normal((t, hkv, hd)).astype(np.float32)
-    if kind == "outlier":  # one channel x50 (case C27) and a token far beyond f16 range
+    if kind == "outlier":  # one K channel x50 and a token far beyond the f16 range
         k[:, :, 3] *= 50
         v[0] *= 1e6
     elif kind == "zeros":  # zero rows: zero scale -> all-zero codes
@@ -308,48 +186,17 @@ def test_kv_write_bit_exact(dtype, hd, ring):
         pos += t
 
 
-@pytest.mark.parametrize("dtype", QKV)
-@pytest.mark.parametrize("hq,hkv,hd", [(9, 3, 64), (14, 2, 64), (4, 4, 16), (6, 2, 80)])
-def test_attention_quant_vs_reference(dtype, hq, hkv, hd):
-    """Attention over the codes == the reference backend's dequantize-then-attend, over
-    the same cache contents (float32 rounding only), prefill and decode, with outliers."""
-    rng = np.random.default_rng(hq + hd)
-    caches = [be.new_kv_cache(1, hkv, hd, 64, dtype) for be in (REF, CPU)]
-    pos = 0
-    for t, kind in [(17, "plain"), (1, "outlier"), (9, "ties"), (1, "plain"), (1, "zeros")]:
-        k, v = _kv_chunk(rng, t, hkv, hd, kind)
-        q = rng.standard_normal((t, hq, hd)).astype(np.float32) * 2
-        o = [be.attention(q, k, v, c, 0, pos, hd ** -0.5) for be, c in zip((REF, CPU), caches)]
-        assert nerr(o[1], o[0]) < FLOAT_TOL
-        pos += t
-
-
-@pytest.mark.parametrize("dtype", QKV)
-def test_attention_quant_ring_window(dtype):
-    """Sliding-window ring layers of a quantized cache: positions per slot, chunked
-    prefill larger than the window, decode steps that wrap around the ring."""
-    rng = np.random.default_rng(1)
-    hq, hkv, hd, w = 4, 2, 32, 5
-    caches = [kvcache.HostKVCache(2, hkv, hd, 64, dtype, window_sizes=[w, None], max_chunk=8)
-              for _ in range(2)]
-    pos = 0
-    for t in (8, 1, 1, 7, 1, 8, 1, 1, 1):
-        q, k, v = (rng.standard_normal((t, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
-        for layer in (0, 1):
-            win = w if layer == 0 else None
-            o_ref = REF.attention(q, k, v, caches[0], layer, pos, 0.25, win, 20.0)
-            o_cpu = CPU.attention(q, k, v, caches[1], layer, pos, 0.25, win, 20.0)
-            assert nerr(o_cpu, o_ref) < FLOAT_TOL
-        pos += t
+@pytest.mark.parametrize("dtype", ["f32"] + QKV)
+def test_ring_refuses_a_chunk_beyond_max_chunk(dtype):
+    c = kvcache.HostKVCache(2, 2, 32, 64, dtype, window_sizes=[5, None], max_chunk=8)
     with pytest.raises(ValueError, match="chunk"):
-        CPU.attention(*(np.zeros((9, h, hd), np.float32) for h in (hq, hkv, hkv)), caches[1],
-                      0, pos, 0.25, w)
+        CPU.attention(*(np.zeros((9, h, 32), np.float32) for h in (4, 2, 2)), c, 0, 0, 0.25, 5)
 
 
-def test_attention_int4_large_k_offset():
+def test_int4_large_k_offset_write_bit_exact():
     """int4's K channel statistics on Qwen-like K (large constant per-channel offsets, an
-    outlier channel, C27): the Numba write stores the reference's bytes (codes, m, c) and
-    attention over the codes == the reference, finite, prefill and decode."""
+    outlier channel): the Numba write stores the reference's bytes (codes, m, c), prefill
+    and decode. (Attention over them: tests/test_ops.py, attention-int4-large-k-offset.)"""
     rng = np.random.default_rng(7)
     hq, hkv, hd = 14, 2, 64
     caches = [be.new_kv_cache(1, hkv, hd, 64, "int4") for be in (REF, CPU)]
@@ -361,7 +208,7 @@ def test_attention_int4_large_k_offset():
         q = rng.standard_normal((t, hq, hd)).astype(np.float32)
         o = [be.attention(q, k + off, v, c, 0, pos, hd ** -0.5)
              for be, c in zip((REF, CPU), caches)]
-        assert np.isfinite(o[1]).all() and nerr(o[1], o[0]) < FLOAT_TOL
+        assert np.isfinite(o[1]).all()
         pos += t
     for name, arr in caches[0].raw(0).items():
         assert np.array_equal(arr.view(np.uint8), caches[1].raw(0)[name].view(np.uint8)), name

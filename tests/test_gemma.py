@@ -361,6 +361,7 @@ def _greedy_hf(hf, ids, n, keep=0):
     return first, toks, np.stack(steps)
 
 
+@pytest.mark.slow
 def test_gemma3_270m_hf_parity(gemma, wikitext_ids):
     """~100 WikiText tokens: every prefill position and 32 cached greedy steps vs HF fp32."""
     ids = wikitext_ids[:100]

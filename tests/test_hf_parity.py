@@ -62,6 +62,7 @@ def test_stories260k_hf_parity(stories_dir):
     _check(src, hf, ids, 32, 2e-4)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_hf_parity(smollm2_gguf):
     from edgeinfer.api import tokenizer_for
     from edgeinfer.readers import read_model

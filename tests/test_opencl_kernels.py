@@ -1,15 +1,15 @@
-"""OpenCL backend, op by op, against the numpy reference backend (the oracle).
+"""OpenCL-backend properties beyond op parity (that is tests/test_ops.py's matrix):
+device selection and its errors, path selection (GEMV vs GEMM, row kernels vs per-op,
+split-KV), the stored format of quantized KV caches, analytic attention extremes, input
+errors, the cache object, program caching.
 
 Runs on whatever OpenCL device is found (PoCL's CPU device in CI); skips with a message
 naming what is missing when pyopencl or an OpenCL platform is not available.
 
-Error measure: ``nerr = max|y - y_ref| / max(max|y_ref|, 1)`` (max error normalized by the
-output's scale). Bounds: elementwise ops 1e-6, reductions (RMSNorm, matmul, attention)
-1e-5 in float32, fp16 KV storage 2e-3 (fp16 has an 11-bit mantissa).
+Error measure where a test compares: ``nerr = max|y - y_ref| / max(max|y_ref|, 1)``.
 """
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -133,84 +133,12 @@ def _check_linear(be, rng, w, t, bias=False, bound=1e-5):
     assert nerr(y, ref) < bound, (t, n_out, n_in, nerr(y, ref))
 
 
-@pytest.mark.parametrize("t", [1, 3, 37])
-@pytest.mark.parametrize("n_out,n_in", [(1, 1), (7, 13), (33, 64), (130, 257)])
-def test_linear_dense(be, t, n_out, n_in):
-    rng = np.random.default_rng(n_out * 1000 + n_in + t)
-    _check_linear(be, rng, rng.standard_normal((n_out, n_in)).astype(np.float32), t,
-                  bias=n_out % 2 == 1)
-
-
-@pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
-def test_gemv_ignores_stale_values_past_x(be, fmt):
-    """Pooled activation buffers are larger than the tensor and hold stale data (NaN here):
-    a GEMV that reads x past in_features multiplies garbage by the zero padding of W and
-    turns the row into NaN (a CI failure of gemv_f32 at in=257, reading x[257:264])."""
-    from edgeinfer.backends.opencl.memory import DeviceTensor
-
-    rng = np.random.default_rng(7)
-    n_out, n_in = 130, 257
-    wf = rng.standard_normal((n_out, n_in)).astype(np.float32)
-    w = {"f32": wf, "q4": rand_q4(rng, n_out, n_in, 32, False),
-         "q8": rand_q8(rng, n_out, n_in, 32)}[fmt]
-    x = rng.standard_normal((1, n_in)).astype(np.float32)
-    padded = be.upload(np.concatenate([x[0], np.full(64, np.nan, np.float32)]))
-    xd = DeviceTensor(padded._block, (1, n_in))
-    y = be.to_host(be.linear(xd, be.upload_weight(w)))
-    assert nerr(y, REF.linear(x, REF.upload_weight(w))) < 1e-5
-
-
-@pytest.mark.parametrize("t", [1, 5])
-@pytest.mark.parametrize("g", [32, 64, 128, "pc"])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("n_out,n_in", [(19, 200), (64, 256), (5, 37)])
-def test_linear_int4(be, t, g, symmetric, n_out, n_in):
-    """Odd sizes, padded in_features, group boundaries, per-channel (one group per row)."""
-    rng = np.random.default_rng(zlib.crc32(repr((t, g, symmetric, n_out, n_in)).encode()))
-    gs = (n_in + n_in % 2) if g == "pc" else g
-    w = rand_q4(rng, n_out, n_in, gs, symmetric)
-    _check_linear(be, rng, w, t, bias=symmetric)
-
-
-def test_linear_int4_float32_scales_and_odd_group(be):
-    """float32 scales (fp16-overflow case C10) and a group size that is not a multiple of
-    8 (the GEMV cannot take it: the GEMM path must, also for T=1)."""
+def test_odd_group_takes_the_gemm_path(be):
+    """A group size that is not a multiple of 8 cannot take the GEMV: the GEMM path does,
+    also for T=1 (its values: tests/test_ops.py, linear-q4-g10)."""
     rng = np.random.default_rng(5)
-    w = rand_q4(rng, 9, 70, 32, False, np.float32)
-    w.scales[:] *= 1e5
-    for t in (1, 4):
-        _check_linear(be, rng, w, t)
-    w = rand_q4(rng, 9, 70, 10, False)
-    assert not be.upload_weight(w).gemv_ok
-    for t in (1, 4):
-        _check_linear(be, rng, w, t)
-
-
-def test_linear_int4_rtn_quantizer(be):
-    from edgeinfer.quant.rtn import quantize_rtn
-
-    rng = np.random.default_rng(11)
-    for g, sym in ((128, False), (32, True), (-1, False)):
-        w = quantize_rtn(rng.standard_normal((48, 172)).astype(np.float32), 4, g, sym)
-        for t in (1, 6):
-            _check_linear(be, rng, w, t)
-
-
-@pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("g,n_in", [(32, 96), (64, 100), (13, 39), (101, 101)])
-def test_linear_int8(be, t, g, n_in):
-    rng = np.random.default_rng(g * 7 + t + n_in)
-    _check_linear(be, rng, rand_q8(rng, 23, n_in, g), t, bias=True)
-
-
-@pytest.mark.parametrize("fmt", ["dense", "q4", "q8"])
-def test_linear_gemm_many_tiles(be, fmt):
-    """T = 130 spans three token tiles (16 x RT=4 = 64 rows each), 70 outputs five column
-    tiles, 100 inputs seven K slices with a partial last one."""
-    rng = np.random.default_rng(12)
-    w = {"dense": rng.standard_normal((70, 100)).astype(np.float32),
-         "q4": rand_q4(rng, 70, 100, 32, False), "q8": rand_q8(rng, 70, 100, 50)}[fmt]
-    _check_linear(be, rng, w, 130, bias=True)
+    assert not be.upload_weight(rand_q4(rng, 9, 70, 10, False)).gemv_ok
+    assert be.upload_weight(rand_q4(rng, 9, 70, 32, False)).gemv_ok
 
 
 def test_row_kernels_fall_back_beyond_kmax(be):
@@ -227,71 +155,18 @@ def test_row_kernels_fall_back_beyond_kmax(be):
             _check_linear(small, rng, w, t, bias=True)
 
 
-def test_linear_large_magnitudes(be):
-    rng = np.random.default_rng(3)
-    w = rng.standard_normal((16, 128)).astype(np.float32) * 1e3
-    x = rng.standard_normal((1, 128)).astype(np.float32) * 1e3
-    ref = x @ w.T
-    y = be.to_host(be.linear(be.upload(x), be.upload_weight(w)))
-    assert nerr(y, ref) < 1e-5
-
-
-# ---- elementwise / norms -----------------------------------------------------------------
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (2, 4, 64), (5, 3, 7)])
-@pytest.mark.parametrize("unit_offset", [False, True])
-def test_rmsnorm(be, shape, unit_offset):
-    rng = np.random.default_rng(len(shape) * 10 + shape[-1])
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = rng.standard_normal(shape[-1]).astype(np.float32)
-    ref = REF.rmsnorm(x, w, 1e-6, unit_offset)
-    y = be.to_host(be.rmsnorm(be.upload(x), be.upload(w), 1e-6, unit_offset))
-    assert nerr(y, ref) < 1e-5
-
-
-def test_rmsnorm_large_magnitudes(be):
-    x = np.full((2, 256), 3e4, np.float32)
-    x[1, ::2] = -1e15
-    w = np.ones(256, np.float32)
-    ref = REF.rmsnorm(x, w, 1e-5)
-    assert nerr(be.to_host(be.rmsnorm(be.upload(x), be.upload(w), 1e-5)), ref) < 1e-5
-
-
-@pytest.mark.parametrize("hd,rot", [(8, 8), (64, 64), (32, 16), (10, 6)])
-@pytest.mark.parametrize("positions", ["contig", "scatter"])
-def test_rope(be, hd, rot, positions):
-    rng = np.random.default_rng(hd + rot)
-    t, h = 5, 3
-    inv = 1.0 / (10000 ** (np.arange(0, rot, 2) / rot))
-    ang = np.arange(64)[:, None] * inv[None, :]
+def test_rope_refuses_positions_outside_the_table(be):
+    ang = np.arange(64)[:, None] * np.ones((1, 4))
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    pos = np.arange(7, 7 + t) if positions == "contig" else np.array([0, 63, 5, 5, 20])
-    x = rng.standard_normal((t, h, hd)).astype(np.float32)
-    ref = REF.rope(x, cos, sin, pos)
-    y = be.to_host(be.rope(be.upload(x), be.upload(cos), be.upload(sin), pos))
-    assert nerr(y, ref) < 1e-6
+    x = be.upload(np.ones((5, 3, 8), np.float32))
     with pytest.raises(ValueError, match="outside the RoPE table"):
-        be.rope(be.upload(x), be.upload(cos), be.upload(sin), np.arange(60, 60 + t))
+        be.rope(x, be.upload(cos), be.upload(sin), np.arange(60, 65))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_glu_including_extremes(be, act):
-    rng = np.random.default_rng(1)
-    g = rng.standard_normal((3, 101)).astype(np.float32) * 4
-    g[0, :6] = [-1e4, -100.0, 0.0, 100.0, 1e4, -88.8]
-    u = rng.standard_normal((3, 101)).astype(np.float32)
-    with np.errstate(over="ignore"):
-        ref = REF.glu(g, u, act)
-    assert nerr(be.to_host(be.glu(be.upload(g), be.upload(u), act)), ref) < 1e-5
-    with pytest.raises(ValueError):
-        be.glu(be.upload(g), be.upload(u), "relu")
-
-
-def test_add_reshape_select_rows(be):
+def test_reshape_select_rows(be):
     rng = np.random.default_rng(2)
     a, b = (rng.standard_normal((4, 6)).astype(np.float32) for _ in range(2))
     s = be.add(be.upload(a), be.upload(b))
-    np.testing.assert_array_equal(be.to_host(s), a + b)
     v = be.reshape(s, (4, 2, 3))
     assert be.to_host(v).shape == (4, 2, 3)
     np.testing.assert_array_equal(be.to_host(be.select_rows(s, slice(3, 4))), (a + b)[3:4])
@@ -300,25 +175,13 @@ def test_add_reshape_select_rows(be):
 
 # ---- embedding ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["dense", "q4", "q4sym", "q8"])
-def test_embed_and_tied_head(be, kind):
+@pytest.mark.parametrize("kind", ["dense", "q4", "q8"])
+def test_embed_refuses_out_of_range_ids(be, kind):
     rng = np.random.default_rng(4)
-    v, d = 50, 72
-    if kind == "dense":
-        tab = rng.standard_normal((v, d)).astype(np.float32)
-    elif kind == "q8":
-        tab = rand_q8(rng, v, d, 32)
-    else:
-        tab = rand_q4(rng, v, d, 32, kind == "q4sym")
-    ids = np.array([0, 49, 7, 7, 1], np.int32)
-    rt, dt = REF.upload_embedding(tab), be.upload_embedding(tab)
-    ref = REF.embed(rt, ids, 1.5)
-    assert nerr(be.to_host(be.embed(dt, ids, 1.5)), ref) < 1e-6
-    # the same handle works as a tied output head
-    x = rng.standard_normal((1, d)).astype(np.float32)
-    assert nerr(be.logits(be.upload(x), dt), REF.logits(x, rt)) < 1e-5
+    tab = {"dense": rng.standard_normal((50, 72)).astype(np.float32),
+           "q4": rand_q4(rng, 50, 72, 32, False), "q8": rand_q8(rng, 50, 72, 32)}[kind]
     with pytest.raises(ValueError, match="out of range"):
-        be.embed(dt, np.array([v]), 1.0)
+        be.embed(be.upload_embedding(tab), np.array([50]), 1.0)
 
 
 # ---- attention ---------------------------------------------------------------------------
@@ -344,43 +207,26 @@ def _attn_pair(be, hq, hkv, hd, steps, dtype="f32", window=None, softcap=None, s
     return worst
 
 
-@pytest.mark.parametrize("hq,hkv,hd", [(8, 4, 8), (4, 4, 64), (6, 2, 80), (3, 1, 256)])
-def test_attention_prefill_then_decode_gqa(be, hq, hkv, hd):
-    assert _attn_pair(be, hq, hkv, hd, [7, 1, 1, 25, 1]) < 1e-5
-
-
-def test_attention_long_prefill_crosses_blocks(be):
-    assert _attn_pair(be, 4, 2, 16, [50, 1, 13], max_tokens=80) < 1e-5
-
-
-@pytest.mark.parametrize("window", [1, 4, 16])
-def test_attention_sliding_window(be, window):
-    assert _attn_pair(be, 4, 2, 16, [9, 1, 1, 6, 1], window=window) < 1e-5
-
-
-def test_attention_softcap_and_f16_cache(be):
-    assert _attn_pair(be, 4, 2, 32, [5, 1, 1], softcap=5.0) < 1e-5
-    assert _attn_pair(be, 4, 2, 32, [5, 1, 3, 1], dtype="f16") < 2e-3
-
-
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-def test_attention_split_kv_matches(be, kv):
-    """The split-KV path (on by default on GPUs only), forced with 16-key chunks: decode
-    and short prefills over 50-90 cached keys, with window, soft-capping, GQA."""
+def test_attention_split_kv_path_is_taken(be, kv):
+    """Forced 16-key chunks take the split-KV kernels for decode over > 32 cached keys
+    (their values: tests/test_ops.py, backend opencl-splitkv)."""
     import dataclasses
 
     sb = OpenCLBackend()
     sb.caps = dataclasses.replace(sb.caps, split_kv_chunk=16, split_kv_max_t=8)
-    tol = 1e-5 if kv == "f32" else 2e-3
-    assert _attn_pair(sb, 6, 2, 40, [50, 1, 1, 7, 1, 30], dtype=kv, max_tokens=96) < tol
-    assert _attn_pair(sb, 4, 4, 64, [40, 1, 5, 1], dtype=kv, window=21) < tol
-    assert _attn_pair(sb, 4, 1, 16, [40, 1, 1], dtype=kv, softcap=3.0, mag=5.0) < tol
-    assert any(key[1] == "attention_split" for key in sb._dc._kernels), "split path not taken"
+    names, kernel = [], sb._k
+    sb._k = lambda file, name, **variant: names.append(name) or kernel(file, name, **variant)
+    _attn_pair(sb, 6, 2, 40, [50, 1], dtype=kv, max_tokens=96)
+    assert "attention_split" in names, sorted(set(names))
+    names.clear()
+    _attn_pair(sb, 6, 2, 40, [20, 1], dtype=kv, max_tokens=96)  # 21 keys: not split
+    assert "attention_split" not in names, sorted(set(names))
 
 
-def test_attention_c23_large_scores_no_overflow(be):
-    """C23 (a): q = k = 128 x 30.0: q.k = 115200 (> fp16 max); scaled score 10182.34; the
-    softmax must stay finite. Every key is identical, so the output is the mean of V."""
+def test_attention_large_scores_stay_finite(be):
+    """q = k = 128 x 30.0: q.k = 115200 (> fp16 max); scaled score 10182.34; the softmax
+    must stay finite. Every key is identical, so the output is the mean of V."""
     hd = 128
     for dtype in ("f32", "f16"):
         c = be.new_kv_cache(1, 1, hd, 8, dtype)
@@ -390,9 +236,6 @@ def test_attention_c23_large_scores_no_overflow(be):
         assert np.isfinite(y).all()
         want = np.cumsum(v[:, 0], axis=0) / np.arange(1, 4)[:, None]
         np.testing.assert_allclose(y[:, 0], want, rtol=2e-3 if dtype == "f16" else 1e-5)
-    # (c) random rows of large magnitude, f32 and f16 storage
-    rng = np.random.default_rng(9)
-    assert _attn_pair(be, 4, 2, 64, [6, 1, 1], mag=30.0, rng=rng) < 1e-4
     q = np.full((1, 1, 8), 1e3, np.float32)
     k = np.full((1, 1, 8), 1e5, np.float32)  # beyond fp16: stored saturated, never inf
     c = be.new_kv_cache(1, 1, 8, 4, "f16")
@@ -401,8 +244,8 @@ def test_attention_c23_large_scores_no_overflow(be):
     np.testing.assert_allclose(y, 65504.0)
 
 
-def test_attention_c23_huge_negative_scores_and_masked_future_keys(be):
-    """C23 (b): every visible score hugely negative (as after adding finfo(fp16).min): the
+def test_attention_huge_negative_scores_and_masked_future_keys(be):
+    """Every visible score hugely negative (as after adding finfo(fp16).min): the
     max-subtracted softmax still gives finite, uniform weights. Future keys written in
     the same prefill call carry enormous scores and must get weight exactly 0."""
     hd, t = 16, 4
@@ -458,18 +301,25 @@ def _attn_pair_q(be, hq, hkv, hd, steps, dtype, rng=None, scale=None, max_tokens
 
 
 @pytest.mark.parametrize("dtype", QKV)
-@pytest.mark.parametrize("hq,hkv,hd", [(8, 4, 8), (4, 4, 64), (6, 2, 80), (3, 1, 256)])
-def test_attention_quantized_cache_matches_host_format(be, dtype, hq, hkv, hd):
+@pytest.mark.parametrize("hq,hkv,hd,shift", [(8, 4, 8, False), (4, 4, 64, False),
+                                             (6, 2, 80, False), (3, 1, 256, False),
+                                             (14, 2, 64, True)])
+def test_quantized_cache_write_matches_host_format(be, dtype, hq, hkv, hd, shift):
     """int8 / int4 / k8v4 KV: the device quantizes on write with the host cache's formulas
-    (up to rounding-boundary cases, see :func:`_attn_pair_q`) and attends over its codes
-    to float32 precision."""
-    worst, _ = _attn_pair_q(be, hq, hkv, hd, [7, 1, 1, 25, 1], dtype)
+    (up to rounding-boundary cases, see :func:`_attn_pair_q`), over prefill and decode
+    steps; ``shift``: Qwen-like K with large constant per-channel offsets. (Attention
+    over the codes: tests/test_ops.py.)"""
+    off = None
+    if shift:
+        off = np.zeros(64, np.float32)
+        off[[30, 31, 62, 63]] = [120, -150, 90, 140]
+    worst, _ = _attn_pair_q(be, hq, hkv, hd, [7, 1, 1, 25, 1], dtype, shift=off)
     assert worst < 1e-5
 
 
 @pytest.mark.parametrize("dtype", QKV)
 def test_quantized_cache_codes_equal_host_codes(be, dtype):
-    """Same arrays and format as HostKVCache (Hadamard-rotated K, C27 outlier channel, an
+    """Same arrays and format as HostKVCache (Hadamard-rotated K, an outlier channel, an
     all-zero V row); k8v4 = int8's K arrays + int4's V arrays, no K channel statistics."""
     from edgeinfer.backends.kvcache import kv_cache_nbytes
 
@@ -497,20 +347,8 @@ def test_quantized_cache_codes_equal_host_codes(be, dtype):
     assert nerr(kk, hk) < 1e-3 and nerr(vv, hv) < 1e-3
 
 
-def test_int4_cache_large_k_offset(be):
-    """int4's K channel statistics on Qwen-like K (large constant per-channel offsets): the
-    device holds the host's m and c and attends like the reference, prefill and decode."""
-    off = np.zeros(64, np.float32)
-    off[[30, 31, 62, 63]] = [120, -150, 90, 140]
-    worst, _ = _attn_pair_q(be, 14, 2, 64, [12, 1, 5, 1], "int4", rng=np.random.default_rng(9),
-                            scale=0.125, max_tokens=32, shift=off)
-    assert worst < 1e-5
-
-
-def test_quantized_cache_large_magnitudes_stay_finite(be):
-    rng = np.random.default_rng(8)
+def test_quantized_cache_huge_values_stay_finite(be):
     for dtype in QKV:
-        assert _attn_pair(be, 4, 2, 64, [6, 1, 1], dtype=dtype, mag=30.0, rng=rng) < 1e-4
         c = be.new_kv_cache(1, 1, 8, 4, dtype)
         k = np.full((1, 1, 8), 1e9, np.float32)
         y = be.to_host(be.attention(be.upload(k), be.upload(k), be.upload(k), c, 0, 0, 1.0))

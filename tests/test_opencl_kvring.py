@@ -3,8 +3,8 @@ reference backend: a windowed layer allocates ``min(max_tokens, W - 1 + max_chun
 slots (the host cache's rule and byte count), the kernels find position ``p`` in slot
 ``p % S`` while decode runs past the window, and trim / reset follow the host rules.
 
-Error measure and bounds as in test_opencl_kernels.py (the same dequantized values on
-both sides, so quantized dtypes stay float32-tight).
+Error measure: test_opencl_kernels.py's ``nerr`` (max error over the output's scale), with
+the same dequantized values on both sides, so quantized dtypes stay float32-tight.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """SIMD integer-dot row kernels emitted as LLVM IR (llvmlite) and called from Numba.
 
 Why IR and not plain Numba loops: a Numba loop over nibbles widens ``uint8 & 15`` to
-int64, reduces horizontally once per group and converts per element; measured at
-1-2 GB/s (see PERF-NOTES). Here one 32-byte load yields 64 4-bit codes in lane order,
+int64, reduces horizontally once per group and converts per element. Here one 32-byte load yields 64 4-bit codes in lane order,
 ``pmaddubsw`` (u8 x s8 -> pairwise s16) + ``pmaddwd`` (s16 x 1 -> s32) form 8 partial
 integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe),
 one float FMA per block applies the activation scale ``dx_b`` to a per-group accumulator,

@@ -278,10 +278,8 @@ def scalar_arg_dtypes(src: str, name: str) -> list:
     """Per argument of kernel ``name`` in ``src``: the numpy dtype of a scalar, None for a
     pointer (for ``Kernel.set_scalar_arg_dtypes``).
 
-    Why: pyopencl sets an untyped numpy-scalar argument through a slow generic path
-    (20-30 us per scalar on PoCL, measured: 300 us of Python per GEMV launch with 10
-    scalars); with declared dtypes it packs plain Python numbers with ``struct`` (~11 us
-    per whole launch).
+    Why: pyopencl sets an untyped numpy-scalar argument through a slow generic path; with
+    declared dtypes it packs plain Python numbers with ``struct``.
 
     Raises:
         ValueError: no ``__kernel`` named ``name``, or an argument type not handled.

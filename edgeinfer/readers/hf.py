@@ -26,7 +26,7 @@ parsed with duplicate-key, size and nesting limits (:func:`~edgeinfer.readers.fi
 ``Sequence``) whose single-sequence template starts with a special token before ``$A``
 adds a BOS on every encode, so the runtime must treat BOS as added; otherwise False.
 
-Tied embeddings (case C15): ``tie_word_embeddings`` true (or absent: the HF default)
+Tied embeddings (https://github.com/ml-explore/mlx-examples/issues/564): ``tie_word_embeddings`` true (or absent: the HF default)
 -> any ``lm_head.weight`` in the checkpoint is ignored (a warning is logged if it
 differs from the embedding); false and no ``lm_head.weight`` -> ModelFormatError, never
 a silent fall-back to the embedding.
@@ -278,7 +278,7 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
         raise ModelFormatError(f"{tcfg_path}: add_bos_token must be true or false, got "
                                f"{add_bos_cfg!r}")
 
-    # ---- generation config + EOS union (C06) -------------------------------------------
+    # ---- generation config + EOS union (vllm#4180) ---------------------------------------
     gen_path = file("generation_config.json")
     generation: dict = read_json(gen_path) if gen_path else {}
     extra_eos: list[int] = []
