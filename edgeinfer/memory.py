@@ -50,10 +50,9 @@ from .errors import MemoryBudgetError
 
 MIB = 1 << 20
 
-#: Resident memory of the runtime before weights and KV: Python + numpy + numba +
-#: llvmlite + tokenizers + edgeinfer with the CPU backend imported measured 104 MiB
-#: peak RSS (2026-11-29, this machine kind, numpy 2.4 / numba 0.68); rounded up to
-#: 128 MiB for JIT-compiled kernels and allocator slack.
+#: Resident memory of the runtime before weights and KV, a budget: the interpreter,
+#: numpy, numba/llvmlite, tokenizers and edgeinfer imported (about 104 MiB peak RSS),
+#: plus the loaded JIT-compiled kernels and allocator slack.
 RUNTIME_OVERHEAD_BYTES = 240 * MIB
 
 
