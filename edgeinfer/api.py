@@ -45,12 +45,16 @@ def source_weight_bytes(source: ModelSource, backend: str) -> int:
     """Bytes the weights will take on ``backend``, from shapes alone (nothing is loaded).
 
     An ``.eif`` file's quantized tensors keep their packed size (the reference backend
-    dequantizes them to float32); HF/GGUF tensors are held as float32.
+    dequantizes them to float32), so do a GGUF's natively re-laid block types; other
+    HF/GGUF tensors are held as float32.
     """
 
     if source.format == "eif" and backend != "reference":
         # the container maps the file: reading nbytes touches no weight data
         return int(sum(int(t.nbytes) for t in source.tensors.values()))
+    native = (source.provenance or {}).get("native_weight_bytes")
+    if source.format == "gguf" and backend != "reference" and isinstance(native, int):
+        return native  # the re-laid block types (edgeinfer.readers.gguf_blocks)
     return int(sum(4 * int(np.prod(shape)) for shape in source.shapes.values()))
 
 
