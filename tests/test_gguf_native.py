@@ -216,3 +216,28 @@ def test_unsupported_types_are_logged_not_silent(qwen_gguf, caplog):
     q6 = [n for n in src.shapes if n.endswith("down_proj.weight")]
     types = {type(src.tensors[n]).__name__ for n in q6}
     assert types == {"QuantizedTensor", "ndarray"}  # Q4_K native, Q6_K dequantized
+
+
+@pytest.mark.slow
+def test_smollm2_catalog_file_greedy_golden_text(smollm2_pair):
+    """The catalog file run natively on the CPU backend (prefill, then 32 decode steps with
+    int8 activations) greedily writes what the numpy oracle writes on the dequantized
+    file, token for token."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from greedy import greedy
+
+    from edgeinfer.api import tokenizer_for
+    from edgeinfer.models.transformer import Transformer
+
+    native, flt = smollm2_pair
+    tok = tokenizer_for(native)
+    ids = tok.encode("Once upon a time, there was a little girl named")
+    ours = greedy(Transformer(native.config, native.tensors, CPU, 256), ids, 32)
+    oracle = greedy(Transformer(flt.config, flt.tensors, REF, 256), ids, 32)
+    assert ours == oracle
+    assert tok.decode(ours) == (" Emma who loved to play in the sun. She would often go to the "
+                                "beach and play with her friends. One day, she decided to go to "
+                                "the beach")
