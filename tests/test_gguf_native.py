@@ -218,6 +218,24 @@ def test_unsupported_types_are_logged_not_silent(qwen_gguf, caplog):
     assert types == {"QuantizedTensor", "ndarray"}  # Q4_K native, Q6_K dequantized
 
 
+def test_a_nan_block_scale_is_a_format_error_naming_the_tensor(smollm2_gguf, tmp_path):
+    """A hostile file: one fp16 block scale set to NaN (0x7E00) in a Q4_1 tensor; loading
+    the tensor natively refuses it, naming the file and the tensor (the float path's
+    check of the dequantized values does too)."""
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(smollm2_gguf.read_bytes())
+    info = GGUFFile(smollm2_gguf).tensors["blk.4.ffn_up.weight"]
+    data[info.offset + 20 * 7:info.offset + 20 * 7 + 2] = b"\x00\x7e"  # block 7's d
+    bad.write_bytes(bytes(data))
+    src = read_gguf(bad)
+    with pytest.raises(ModelFormatError, match=r"bad\.gguf.*model\.layers\.4\.mlp\.up_proj"
+                                               r"\.weight \(blk\.4\.ffn_up\.weight\) scales.*non-finite"):
+        src.tensors["model.layers.4.mlp.up_proj.weight"]
+    with pytest.raises(ModelFormatError, match=r"bad\.gguf.*up_proj.*non-finite"):
+        read_gguf(bad, native=False).tensors["model.layers.4.mlp.up_proj.weight"]
+    assert isinstance(src.tensors["model.layers.4.mlp.gate_proj.weight"], QuantizedTensor)
+
+
 @pytest.mark.slow
 def test_smollm2_catalog_file_greedy_golden_text(smollm2_pair):
     """The catalog file run natively on the CPU backend (prefill, then 32 decode steps with
