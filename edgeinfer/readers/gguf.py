@@ -335,7 +335,16 @@ def native_loader(g: GGUFFile, info: GGUFTensorInfo) -> Callable[[], QuantizedTe
     qn = _qname(info.qtype)
     if qn not in NATIVE_TYPES or len(info.dims) != 2:
         return None
-    return lambda: relayout(g.raw(info), qn, info.name, str(g.path))
+
+    def load() -> QuantizedTensor:
+        from ..backends.osmemory import release_mapped_pages
+
+        raw = g.raw(info)
+        try:
+            return relayout(raw, qn, info.name, str(g.path))
+        finally:  # the file's pages of this tensor: read once, not kept resident
+            release_mapped_pages(raw)
+    return load
 
 
 def _finite_quantized(w: QuantizedTensor, name: str, where: str) -> QuantizedTensor:
