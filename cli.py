@@ -107,29 +107,28 @@ def _say(msg: str) -> None:
 
 
 def _first_run_convert(*args, **kw):
-    """The converter, imported only when a first run converts a catalog model."""
+    """The converter, imported only when ``NAME:int4`` is made on first use."""
     from edgeinfer.quant.convert import convert
 
     return convert(*args, **kw)
 
 
 def _load(args, warm: bool = False):
-    """The ``--model``; a catalog name runs as its INT4 ``.eif`` (made on first use).
+    """The ``--model``; a catalog name runs as its GGUF (natively, at its own quality);
+    ``NAME:int4`` is made on first use.
 
     Kernels that are not compiled yet (a fresh install) are compiled here, before any
     prompt, with a progress line; ``warm`` also loads already-compiled ones (the server,
     whose first request should not pay for it)."""
     from edgeinfer import api
-    from edgeinfer.catalog import resolve_model
-    from edgeinfer.readers import read_model
+    from edgeinfer.catalog import read_resolved, resolve_model
 
     from edgeinfer.model_store import record_use
 
     quiet = getattr(args, "quiet", False)
-    path = resolve_model(args.model, progress=not quiet, prepare_int4=True,
-                         converter=_first_run_convert,
+    path = resolve_model(args.model, progress=not quiet, converter=_first_run_convert,
                          notify=None if quiet else _say)
-    model = api.Model(read_model(str(path)), backend=args.backend, n_ctx=args.ctx,
+    model = api.Model(read_resolved(path), backend=args.backend, n_ctx=args.ctx,
                       kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
                       prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
     record_use(path)

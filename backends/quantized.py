@@ -18,6 +18,12 @@ Layout (logical weight ``W[out, in]``, the HF ``nn.Linear`` orientation):
 * ``scales``: float16 ``[out, n_groups]`` (float32 where a group's scale would overflow
   fp16, see https://github.com/casper-hansen/AutoAWQ/issues/498); dequantization is
   ``w = (q - z) * s`` computed in float32.
+* ``mins`` (optional, instead of ``zeros``): float16 or float32 ``[out, n_groups]``, a
+  float offset per group: ``w = q * s + m`` in float32, with unsigned codes (4 bits:
+  0..15; 8 bits: 0..127 in the int8 array). This is llama.cpp's ``Q4_1`` / ``Q5_1`` /
+  ``Q4_K`` form (``d * q + m``; ``Q4_K``: ``(d * sc) * q - dmin * m``), kept exactly so
+  a GGUF runs at its own quality (:mod:`edgeinfer.readers.gguf_blocks`). Rows are then
+  never padded (``in_features == in_padded``): a padded column would read ``m``, not 0.
 
 The same layout is used by the AWQ paper's asymmetric INT4 (Lin et al., MLSys 2024)
 and GPTQ (Frantar et al., ICLR 2023) once their own packings are undone.
@@ -88,7 +94,9 @@ class QuantizedTensor:
         bits: 4 or 8.
         group_size: input columns per group (``in_padded`` for per-channel).
         in_features: the true input dimension (before padding).
-        method: provenance string ("rtn", "awq", "gptq", "gguf-import" ...).
+        method: provenance string ("rtn", "awq", "gptq", "gguf:Q4_1" ...).
+        mins: float16/float32 ``[out, n_groups]`` group offsets (``w = q * s + m``), or
+            None; excludes ``zeros``.
     """
 
     qweight: np.ndarray
@@ -99,6 +107,7 @@ class QuantizedTensor:
     in_features: int
     method: str = "rtn"
     meta: dict = field(default_factory=dict)
+    mins: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -117,6 +126,14 @@ class QuantizedTensor:
             raise ValueError(f"in_features {self.in_features} does not fit a padded row of "
                              f"{self.in_padded} columns in groups of {self.group_size}")
         out = self.qweight.shape[0]
+        if self.mins is not None:
+            if self.zeros is not None:
+                raise ValueError("a weight has zero points or mins, not both")
+            if self.mins.dtype not in (np.float16, np.float32) or self.mins.shape != (out, self.n_groups):
+                raise ValueError(f"mins must be float16/float32 {(out, self.n_groups)}, got "
+                                 f"{self.mins.dtype} {self.mins.shape}")
+            if self.in_features != self.in_padded:
+                raise ValueError("a weight with mins cannot have padded columns")
         if self.scales.shape != (out, self.n_groups):
             raise ValueError(
                 f"scales shape {self.scales.shape} does not match weight: expected {(out, self.n_groups)}"
@@ -154,13 +171,14 @@ class QuantizedTensor:
 
     @property
     def symmetric(self) -> bool:
-        return self.zeros is None
+        return self.zeros is None and self.mins is None
 
     @property
     def nbytes(self) -> int:
         """Bytes held by codes, scales and zero points."""
         z = 0 if self.zeros is None else self.zeros.nbytes
-        return int(self.qweight.nbytes + self.scales.nbytes + z)
+        m = 0 if self.mins is None else self.mins.nbytes
+        return int(self.qweight.nbytes + self.scales.nbytes + z + m)
 
     @property
     def bits_per_weight(self) -> float:
@@ -168,6 +186,13 @@ class QuantizedTensor:
         return 8.0 * self.nbytes / (self.out_features * self.in_features)
 
     # ---- reference math ------------------------------------------------------------
+    def take_rows(self, start: int, stop: int) -> "QuantizedTensor":
+        """Rows ``start:stop`` as a new weight of the same format (copies)."""
+        cp = lambda a: None if a is None else np.ascontiguousarray(a[start:stop])  # noqa: E731
+        return QuantizedTensor(cp(self.qweight), cp(self.scales), cp(self.zeros), self.bits,
+                               self.group_size, self.in_features, self.method, dict(self.meta),
+                               cp(self.mins))
+
     def codes(self) -> np.ndarray:
         """Integer codes ``[out, in_padded]`` (uint8 0..15 for 4 bits, int8 for 8 bits)."""
         if self.bits == 4:
@@ -182,7 +207,7 @@ class QuantizedTensor:
         return unpack_nibbles(self.zeros, self.n_groups).astype(np.float32)
 
     def dequantize(self, rows: slice | np.ndarray | None = None) -> np.ndarray:
-        """Reference dequantization ``w = (q - z) * s`` in float32.
+        """Reference dequantization ``w = (q - z) * s`` (``w = q * s + m`` with mins) in float32.
 
         Args:
             rows: optional row selection (e.g. embedding ids) to avoid dequantizing
@@ -194,9 +219,13 @@ class QuantizedTensor:
         sel = slice(None) if rows is None else rows
         q = (unpack_nibbles(self.qweight[sel], self.in_padded) if self.bits == 4
              else self.qweight[sel]).astype(np.float32)
-        z = self.zero_points()[sel]
         s = self.scales[sel].astype(np.float32)
         g = self.group_size
+        if self.mins is not None:
+            m = self.mins[sel].astype(np.float32)
+            w = q.reshape(q.shape[0], -1, g) * s[:, :, None] + m[:, :, None]
+            return w.reshape(q.shape[0], -1)
+        z = self.zero_points()[sel]
         w = (q.reshape(q.shape[0], -1, g) - z[:, :, None]) * s[:, :, None]
         return w.reshape(q.shape[0], -1)[:, : self.in_features]
 

@@ -5,6 +5,7 @@ Usage::
     python benchmarks/quality.py [--model smollm2-135m-instruct] [--chunks 40]
         [--methods rtn,awq,gptq] [--n-calib 32] [--calib-len 512] [--act-order] [--out DIR]
     python benchmarks/quality.py --model M --llama [--llama-no-f32] --chunks N --out DIR
+    python benchmarks/quality.py --model M --gguf-native --chunks N --out DIR
 
 For each row (baseline = the dequantized GGUF in float32 through the reference backend,
 then each converted ``.eif``) prints perplexity with llama.cpp's method (512-token chunks,
@@ -23,6 +24,9 @@ then ``llama_model_quantize`` to Q4_0 from that F32 file (its default mix: Q4_0 
 4.5 bpw; the tied embedding / output head falls back from Q6_K to Q8_0, 8.5 bpw, because
 the row width is not a multiple of 256), scored with llama-cpp-python (``logits_all``) on
 our token ids (BOS written over each chunk's first token, second half scored).
+
+``--gguf-native``: the GGUF with its block types re-laid (no float32 copy,
+:mod:`edgeinfer.readers.gguf_blocks`) on the CPU backend, against the baseline.
 
 Reading the GGUF uses ``edgeinfer.readers.read_model`` when it exists; otherwise a small
 lazy fallback below (gguf dequantize per tensor + llama.cpp Q/K row un-permutation; the
@@ -114,16 +118,18 @@ def _fallback_read(path: str):
                        add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)))
 
 
-def read(path: str):
-    """A ModelSource for a GGUF / HF folder / .eif (the project's reader when available)."""
+def read(path: str, native: bool = False):
+    """A ModelSource for a GGUF / HF folder / .eif (the project's reader when available);
+    a GGUF dequantized to float32 unless ``native`` (its block types re-laid)."""
     if path.endswith(".eif"):
         from edgeinfer.container import read_eif
         return read_eif(path)
     try:
         from edgeinfer.readers import read_model
-        return read_model(path)
+        src = read_model(path)
     except ImportError:
         return _fallback_read(path)
+    return src if native or src.format != "gguf" else src.float32()
 
 
 # ---------------------------------------------------------------- llama.cpp rows
@@ -257,8 +263,9 @@ def llama_rows(model: str, chunks: int, out_dir: str, ftypes=("Q4_0",),
 
 # ---------------------------------------------------------------- measurements
 def ppl_of(path: str, chunks: int, save_logprobs: str | None = None,
-           kl_base: str | None = None) -> dict:
-    """Perplexity of a model file on WikiText-2 test through the reference backend.
+           kl_base: str | None = None, native_cpu: bool = False) -> dict:
+    """Perplexity of a model file on WikiText-2 test through the reference backend
+    (``native_cpu``: a GGUF's native block types on the CPU backend).
 
     ``save_logprobs``: write the scored positions' log-probabilities (float16
     ``[chunks, 255, V]``, a ``.npy`` file, via a temp file renamed at the end) for later
@@ -271,13 +278,18 @@ def ppl_of(path: str, chunks: int, save_logprobs: str | None = None,
 
     from edgeinfer.perplexity import divergence, perplexity
 
-    src = read(path)
+    src = read(path, native=native_cpu)
     tok = Tokenizer.from_str(src.tokenizer_json)
     tok.encode_special_tokens = True  # "<unk>" in WikiText is text (llama.cpp: parse_special=false)
     text = open(os.path.join(WIKI, "test.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_special_tokens=False).ids
     bos = src.config.bos_token_id if src.add_bos_token else None
-    model = Transformer(src.config, src.tensors, ReferenceBackend(), max_positions=512)
+    if native_cpu:
+        from edgeinfer.backends.cpu import CpuBackend
+        backend = CpuBackend()
+    else:
+        backend = ReferenceBackend()
+    model = Transformer(src.config, src.tensors, backend, max_positions=512)
     sink, acc, store = None, [0.0, 0, 0], None
     if save_logprobs:
         tmp = save_logprobs + ".tmp.npy"
@@ -337,10 +349,13 @@ def main() -> None:
     ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--out", default="/tmp/edgeinfer-quality")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--gguf-native", action="store_true",
+                    help="only the GGUF run natively (its own blocks, CPU backend) vs the baseline")
     ap.add_argument("--_convert", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_ppl", help=argparse.SUPPRESS)
     ap.add_argument("--_save-logprobs", dest="save_logprobs", help=argparse.SUPPRESS)
     ap.add_argument("--_kl-base", dest="kl_base", help=argparse.SUPPRESS)
+    ap.add_argument("--_native-cpu", dest="native_cpu", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--llama", action="store_true",
                     help="only the llama.cpp rows: F32 baseline and Q4_0 from it")
     ap.add_argument("--llama-no-f32", action="store_true",
@@ -355,7 +370,8 @@ def main() -> None:
                                      args.calib_len, args.act_order)))
         return
     if args._ppl:
-        print(json.dumps(ppl_of(args._ppl, args.chunks, args.save_logprobs, args.kl_base)))
+        print(json.dumps(ppl_of(args._ppl, args.chunks, args.save_logprobs, args.kl_base,
+                                args.native_cpu)))
         return
     os.makedirs(args.out, exist_ok=True)
     base_lp = os.path.join(args.out, f"{os.path.basename(model)}.base-logprobs.{args.chunks}.npy")
@@ -377,7 +393,15 @@ def main() -> None:
     if base:
         rows.append({"row": "baseline (dequantized GGUF, f32)", **base})
         print(json.dumps(rows[-1]), flush=True)
-    for m in args.methods.split(","):
+    if args.gguf_native:
+        res = child("--_ppl", model, "--_native-cpu",
+                    *(["--_kl-base", base_lp] if os.path.exists(base_lp) else []))
+        row = {"row": "GGUF native (CPU backend)", **res}
+        if base:
+            row["dppl_pct"] = round(100 * (res["ppl"] / base["ppl"] - 1), 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for m in ([] if args.gguf_native else args.methods.split(",")):
         out = os.path.join(args.out, f"{os.path.basename(model)}.{m}.g128.eif")
         rep = child("--_convert", m, out)
         res = child("--_ppl", out, *(["--_kl-base", base_lp] if os.path.exists(base_lp) else []))

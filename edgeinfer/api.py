@@ -45,12 +45,16 @@ def source_weight_bytes(source: ModelSource, backend: str) -> int:
     """Bytes the weights will take on ``backend``, from shapes alone (nothing is loaded).
 
     An ``.eif`` file's quantized tensors keep their packed size (the reference backend
-    dequantizes them to float32); HF/GGUF tensors are held as float32.
+    dequantizes them to float32), so do a GGUF's natively re-laid block types; other
+    HF/GGUF tensors are held as float32.
     """
 
     if source.format == "eif" and backend != "reference":
         # the container maps the file: reading nbytes touches no weight data
         return int(sum(int(t.nbytes) for t in source.tensors.values()))
+    native = (source.provenance or {}).get("native_weight_bytes")
+    if source.format == "gguf" and backend != "reference" and isinstance(native, int):
+        return native  # the re-laid block types (edgeinfer.readers.gguf_blocks)
     return int(sum(4 * int(np.prod(shape)) for shape in source.shapes.values()))
 
 
@@ -537,25 +541,24 @@ class ChatSession:
         self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
 
 
-def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
+def load(path_or_name: str | Path, *, converter=None,
          progress: bool = False, notify=None, warm: bool = False, **kw) -> Model:
     """Load a model by path (HF folder, .gguf, .eif) or catalog name.
 
-    A catalog name runs as INT4 when it can: its cached ``NAME.int4.eif`` (made by the
-    first ``edgeinfer chat``), or one made now by ``converter`` (SmolLM2-135M: ~10 s,
-    once; :func:`edgeinfer.catalog.prepare`). The converter is passed in because it is
-    the layer above the runtime (``edgeinfer.quant``), which the runtime never imports.
-    Without either, the GGUF runs as it is, like a ``.gguf`` path: weights dequantized
-    to float32, about twice the memory.
+    A catalog name runs as the GGUF it pulls, at its own quality (its block types re-laid
+    natively, no float32 copy). ``NAME:int4`` is the RTN INT4 ``.eif``: the cached one, or
+    one made now by ``converter`` (:func:`edgeinfer.catalog.prepare`); the converter is
+    passed in because it is the layer above the runtime (``edgeinfer.quant``), which the
+    runtime never imports.
 
+    >>> model = edgeinfer.load("smollm2-135m-instruct")             # doctest: +SKIP
     >>> from edgeinfer.quant.convert import convert                # doctest: +SKIP
-    >>> model = edgeinfer.load("smollm2-135m-instruct", converter=convert)  # doctest: +SKIP
+    >>> int4 = edgeinfer.load("smollm2-135m-instruct:int4", converter=convert)  # doctest: +SKIP
 
     Args:
         path_or_name: a path or a catalog name (``smollm2-135m-instruct`` ...).
-        convert: False runs a catalog name's GGUF as it is (no ``.eif`` is used or made).
         converter: ``edgeinfer.quant.convert.convert`` (or a compatible callable) to make
-            the INT4 file on first use; None uses a cached one only.
+            ``NAME:int4`` on first use; None uses a cached one only.
         progress: progress bars on stderr while a first use downloads or converts
             (default off: the API writes nothing to the terminal).
         notify: ``callable(str)`` for first-use status lines (they also go to the
@@ -569,12 +572,11 @@ def load(path_or_name: str | Path, *, convert: bool = True, converter=None,
         edgeinfer.errors.ModelFormatError: unreadable or inconsistent model.
         edgeinfer.errors.CatalogError: an unknown name, or a pull that failed.
     """
-    from .catalog import resolve_model
-    from .readers import read_model
+    from .catalog import read_resolved, resolve_model
 
-    path = resolve_model(str(path_or_name), progress=progress, prepare_int4=convert,
-                         converter=converter, notify=notify)
-    model = Model(read_model(str(path)), **kw)
+    path = resolve_model(str(path_or_name), progress=progress, converter=converter,
+                         notify=notify)
+    model = Model(read_resolved(path), **kw)
     if warm:
         say = notify or (lambda msg: None)
         if model.kernels_cold:

@@ -13,12 +13,11 @@ sha256, and atomically renames the result into the cache::
 After verification a marker ``NAME.gguf.sha256`` (``"<sha256>  <size>\\n"``) is written
 next to the file, so later calls trust size + marker instead of re-hashing 491 MB.
 
-:func:`prepare` goes one step further for running a catalog model: on first use it
-converts the GGUF into an INT4 ``NAME.int4.eif`` beside it (RTN, group 128, 8-bit
-embeddings: about 3 s for SmolLM2-135M on 2 idle cores) and later returns that file at
-once. The GGUF itself would run dequantized to float32 (SmolLM2: a one-question chat peaks
-at 790 MiB RSS against 265 MiB for the ``.eif``). ``edgeinfer chat`` goes through it, and so does
-``edgeinfer.load(name, converter=...)``; a GGUF *path* still runs as it is.
+:func:`resolve_model` runs a catalog name as the file the user pulled: the GGUF itself,
+at its own quality, its block types re-laid natively (no float32 copy, no re-quantization:
+:mod:`edgeinfer.readers.gguf_blocks`), with no conversion on first run. :func:`prepare`
+makes the RTN INT4 ``NAME.int4.eif`` (group 128, 8-bit embeddings) for those who ask for
+``NAME:int4``; ``edgeinfer convert NAME --method M`` makes the other variants.
 """
 from __future__ import annotations
 
@@ -49,12 +48,13 @@ __all__ = [
     "prepared_path",
     "pull",
     "catalog_source",
+    "read_resolved",
     "resolve_model",
 ]
 
 log = logging.getLogger("edgeinfer")
 
-#: How :func:`prepare` converts a catalog GGUF on first use (keyword arguments of
+#: How :func:`prepare` converts a catalog GGUF into ``NAME:int4`` (keyword arguments of
 #: ``edgeinfer.quant.convert.convert``): round-to-nearest INT4 needs no calibration, so it
 #: takes seconds (SmolLM2-135M: 9.5 s, 423 MiB peak on 2 shared cores); AWQ/GPTQ are
 #: better (``edgeinfer convert``) but take minutes.
@@ -420,19 +420,39 @@ def catalog_source(name: str, *, cache_dir: str | os.PathLike | None = None,
     return replace(source, generation={**entry.sampling, **(source.generation or {})})
 
 
-def _resolve_variant(text: str, prepare_int4: bool, converter, progress: bool, notify) -> Path:
-    """``NAME:VARIANT`` (see :mod:`edgeinfer.model_store`) as a path in the cache."""
-    from .model_store import DEFAULT_VARIANT, parse_ref, variant_path
+def read_resolved(path: str | os.PathLike):
+    """:func:`edgeinfer.readers.read_model` of ``path``; a catalog GGUF in the cache
+    (``NAME.gguf`` of :func:`models_dir`) also gets its entry's recommended sampling in
+    its generation config, as :func:`catalog_source` adds it (a GGUF carries none)."""
+    from .readers import read_model
+
+    source = read_model(str(path))
+    p = Path(path)
+    entry = CATALOG.get(p.name[:-5]) if p.name.endswith(".gguf") else None
+    if entry is not None and source.format == "gguf":
+        try:
+            same = p.resolve() == model_path(entry.name).resolve()
+        except OSError:
+            same = False
+        if same:
+            source = replace(source, generation={**entry.sampling, **(source.generation or {})})
+    return source
+
+
+def _resolve_variant(text: str, converter, progress: bool, notify) -> Path:
+    """``NAME:VARIANT`` (see :mod:`edgeinfer.model_store`) as a path in the cache;
+    ``NAME:int4`` of a catalog model is made by ``converter`` on first use."""
+    from .model_store import parse_ref, variant_path
 
     name, variant = parse_ref(text)
     if name in CATALOG and variant == "gguf":
         return pull(name, progress=progress)
-    if name in CATALOG and variant == DEFAULT_VARIANT:
-        if prepared_path(name).exists() or converter is None:
-            if not prepared_path(name).exists():
-                raise CatalogError(f"{text}: not in the cache yet; `edgeinfer chat -m {name}` "
-                                   f"makes it")
+    if name in CATALOG and variant == "int4":
+        if prepared_path(name).exists():
             return prepared_path(name)
+        if converter is None:
+            raise CatalogError(f"{text}: not in the cache yet; `edgeinfer chat -m {text}` or "
+                               f"`edgeinfer convert {name} --method rtn` makes it")
         return prepare(name, converter, progress=progress, notify=notify)
     path = variant_path(name, variant)
     if path.exists():
@@ -444,46 +464,33 @@ def _resolve_variant(text: str, prepare_int4: bool, converter, progress: bool, n
 
 
 def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True,
-                  prepare_int4: bool = False,
                   converter: Callable[..., dict] | None = None,
                   notify: Callable[[str], None] | None = None) -> Path:
     """Turn a CLI/API model argument into a local path.
 
-    An existing file or folder is returned as is (a ``.gguf`` path runs as it is). A
-    catalog name is :func:`pull`-ed, and with ``prepare_int4`` turned into the cached
-    INT4 ``.eif`` (:func:`prepare`; what chat, generate and ``edgeinfer.load`` run).
-    ``NAME:VARIANT`` is that file of the cache (``:gguf``, ``:int4``, ``:gptq`` ...,
-    :mod:`edgeinfer.model_store`).
+    An existing file or folder is returned as is. A catalog name is its GGUF, :func:`pull`-ed
+    if needed (it runs natively at its own quality). ``NAME:VARIANT`` is that file of the
+    cache (``:gguf``, ``:int4``, ``:gptq`` ..., :mod:`edgeinfer.model_store`); ``NAME:int4``
+    is made by ``converter`` on first use (:func:`prepare`).
 
     Args:
-        name_or_path: a path or a catalog name.
+        name_or_path: a path, a catalog name or ``NAME:VARIANT``.
         progress: progress bars on stderr for a download or conversion.
-        prepare_int4: for a catalog name, return the INT4 ``.eif`` instead of the GGUF:
-            the cached one, or one made now by ``converter`` (:func:`prepare`). With no
-            converter and no cached file the GGUF is returned (and a hint logged).
-        converter: see :func:`prepare`.
-        notify: status messages of :func:`prepare` (first-run conversion).
+        converter: see :func:`prepare` (only ``NAME:int4`` uses it).
+        notify: status messages of :func:`prepare` (first-use conversion).
 
     Raises:
         CatalogError: neither an existing path nor a catalog name (lists the names),
-            or the pull failed.
+            a variant not in the cache, or the pull failed.
     """
     p = Path(name_or_path).expanduser()
     if p.exists():
         return p
     text = str(name_or_path)
     if ":" in text and os.sep not in text:  # NAME:VARIANT
-        return _resolve_variant(text, prepare_int4, converter, progress, notify)
+        return _resolve_variant(text, converter, progress, notify)
     if text in CATALOG:
-        name = str(name_or_path)
-        if prepare_int4:
-            if prepared_path(name).exists():
-                return prepared_path(name)
-            if converter is not None:
-                return prepare(name, converter, progress=progress, notify=notify)
-            log.info("%s runs as its GGUF (float32 weights): `edgeinfer chat -m %s` converts "
-                     "it to INT4 once", name, name)
-        return pull(str(name_or_path), progress=progress)
+        return pull(text, progress=progress)
     if os.sep in text or text.endswith((".gguf", ".eif", ".safetensors")):
         raise CatalogError(f"model file not found: {text}")
     raise CatalogError(

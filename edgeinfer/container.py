@@ -103,6 +103,10 @@ def write_eif(path: str | os.PathLike, config: ModelConfig, tensors: Mapping[str
     quant: dict[str, dict] = {}
     for name, t in tensors.items():
         if isinstance(t, QuantizedTensor):
+            if t.mins is not None:
+                raise ValueError(f"tensor {name!r}: .eif does not store float group mins "
+                                 f"(a GGUF's Q4_1/Q5_1/Q4_K layout) yet; run the GGUF itself, "
+                                 f"or convert from its float32 weights")
             parts = {".qweight": t.qweight, ".scales": t.scales}
             if t.zeros is not None:
                 parts[".zeros"] = t.zeros

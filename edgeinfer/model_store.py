@@ -2,14 +2,14 @@
 
 Files in the cache folder (:func:`edgeinfer.catalog.models_dir`), one model NAME::
 
-    NAME.gguf (+ NAME.gguf.sha256)   variant "gguf": the pulled catalog file
-    NAME.int4.eif                    variant "int4": RTN INT4, made on first use (the default)
+    NAME.gguf (+ NAME.gguf.sha256)   variant "gguf": the pulled catalog file (the default)
+    NAME.int4.eif                    variant "int4": RTN INT4, made on first use of NAME:int4
     NAME.gptq.eif, NAME.awq.eif, ... variant "gptq", "awq", "rtn": `edgeinfer convert NAME
                                      --method M` without -o
 
 ``NAME:VARIANT`` names one of them wherever a model is taken (``-m``, ``info``,
-``convert``, ``serve``, ``edgeinfer.load``); a bare ``NAME`` is ``NAME:int4`` (made from the
-GGUF on first use). :func:`list_models` describes every file, :func:`remove` deletes a
+``convert``, ``serve``, ``edgeinfer.load``); a bare ``NAME`` is ``NAME:gguf``, the pulled
+file, run at its own quality. :func:`list_models` describes every file, :func:`remove` deletes a
 model or one variant, :func:`record_use` stamps "last used" (``.usage.json`` beside the
 files). A running ``edgeinfer serve`` writes ``run/serve-PID.json`` beside the models
 folder while it runs (:func:`server_state`), which :func:`running_servers` reads
@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_VARIANT", "ModelEntry", "ServerEntry", "list_models", "parse
 
 log = logging.getLogger("edgeinfer")
 
-DEFAULT_VARIANT = "int4"
+DEFAULT_VARIANT = "gguf"
 _VARIANT_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _USAGE = ".usage.json"
 

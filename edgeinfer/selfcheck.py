@@ -52,7 +52,8 @@ def _weight_format(tensors: Mapping[str, Any], pred) -> dict | None:
         if pred(name) and isinstance(t, QuantizedTensor):
             pc = t.n_groups == 1
             return {"bits": t.bits, "group": -1 if pc else t.group_size,
-                    "symmetric": t.zeros is None, "scale_dtype": np.asarray(t.scales).dtype}
+                    "symmetric": t.zeros is None, "scale_dtype": np.asarray(t.scales).dtype,
+                    "mins": t.mins is not None}
     return None
 
 
@@ -75,6 +76,14 @@ def _synth(rng, out: int, n_in: int, fmt: dict | None, std: float):
         zeros = None
         s = std / 73.0
     scales = (s * (0.5 + rng.random((out, ng)))).astype(fmt["scale_dtype"])
+    if fmt.get("mins") and in_pad == n_in:  # a GGUF's w = q * s + m (unsigned codes)
+        top = 16 if bits == 4 else 32
+        if bits == 8:
+            codes = rng.integers(0, top, (out, in_pad)).astype(np.int8)
+            scales = (std / 9.2 * (0.5 + rng.random((out, ng)))).astype(fmt["scale_dtype"])
+        mins = (-scales.astype(np.float32) * (top / 2) * (0.8 + 0.4 * rng.random((out, ng))))
+        return QuantizedTensor(codes, scales, None, bits, g, n_in, method="selfcheck",
+                               mins=mins.astype(fmt["scale_dtype"]))
     return QuantizedTensor(codes, scales, zeros, bits, g, n_in, method="selfcheck")
 
 

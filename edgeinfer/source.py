@@ -125,6 +125,13 @@ class LazyTensors(Mapping):
         return len(self._loaders)
 
 
+def _dequantized(loader: Callable[[], Any]) -> Callable[[], Any]:
+    def load():
+        t = loader()
+        return t.dequantize() if isinstance(t, QuantizedTensor) else t
+    return load
+
+
 @dataclass
 class ModelSource:
     """A loaded (or lazily loadable) model.
@@ -174,6 +181,16 @@ class ModelSource:
                 self.mapping.madvise(mmap.MADV_DONTNEED)
             except (OSError, ValueError):  # closed map or a platform refusing the advice
                 pass
+
+    def float32(self) -> "ModelSource":
+        """This model with every quantized tensor dequantized to float32 on access (what a
+        converter re-quantizes from); ``self`` when nothing is quantized lazily."""
+        from dataclasses import replace
+
+        loaders = getattr(self.tensors, "_loaders", None)
+        if loaders is None:
+            return self
+        return replace(self, tensors=LazyTensors({k: _dequantized(f) for k, f in loaders.items()}))
 
     def validate(self) -> None:
         """Strict check: every tensor the architecture needs is present with its shape.

@@ -6,8 +6,8 @@ progress bar, streams the answer, stops it on demand and shows speed and memory.
     python examples/desktop_chat.py -m qwen2.5-coder-0.5b-instruct
 
 What it shows of the API: ``edgeinfer.load(..., warm=True, notify=...)`` on a worker
-thread (download, first-run conversion and kernel compilation happen before the first
-question, and the status lines drive the progress bar); ``Model.chat_stream`` on a
+thread (download, kernel compilation and, for NAME:int4, its first conversion happen
+before the first question, and the status lines drive the progress bar); ``Model.chat_stream`` on a
 worker thread with a ``threading.Event`` as the Stop button (the stream ends within one
 token, with stats); the final event's stats for tok/s. Worker threads talk to the window
 only through Qt signals (delivered on the GUI thread).

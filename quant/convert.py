@@ -52,13 +52,16 @@ def _sha256(path: str) -> str | None:
 
 
 def _open(src: str | ModelSource) -> ModelSource:
+    """The source with a GGUF's natively loaded block weights as float32 (bit-identical
+    to ``gguf.quants.dequantize``): the methods re-quantize from float."""
     if isinstance(src, ModelSource):
-        return src
+        return src.float32() if src.format == "gguf" else src
     try:
         from ..readers import read_model
     except ImportError as e:
         raise ModelFormatError(f"cannot read {src}: the model readers are unavailable ({e})") from None
-    return read_model(str(src))
+    source = read_model(str(src))
+    return source.float32() if source.format == "gguf" else source
 
 
 def _table(w: np.ndarray, embed_bits: int, name: str, rows: int = 4096) -> Any:

@@ -182,8 +182,9 @@ def test_concurrent_first_runs_convert_once(smollm2_cache):
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
 
 
-def test_load_runs_a_catalog_name_as_int4_unless_told_not_to(monkeypatch, stories_dir):
+def test_load_runs_a_catalog_name_as_its_gguf_and_int4_only_when_asked(monkeypatch, stories_dir):
     import edgeinfer
+    from edgeinfer.errors import CatalogError
 
     seen = []
     monkeypatch.setattr(catalog, "prepare", lambda name, conv, **kw:
@@ -196,14 +197,16 @@ def test_load_runs_a_catalog_name_as_int4_unless_told_not_to(monkeypatch, storie
     def conv(*a, **kw):
         raise AssertionError("prepare is stubbed")
 
+    # a bare name is the pulled file, even with a converter at hand: no conversion
     assert edgeinfer.load(name, backend="reference", converter=conv).generate(
         "Once upon a time", max_tokens=4)
-    edgeinfer.load(name, backend="reference", convert=False)
+    assert seen == [("pull", name)]
+    edgeinfer.load(f"{name}:int4", backend="reference", converter=conv)  # asked for: made
+    assert seen == [("pull", name), ("prepare", name, conv)]
     # no converter and no cached .eif: the runtime never reaches up to edgeinfer.quant
-    edgeinfer.load(name, backend="reference")
-    assert seen == [("prepare", name, conv), ("pull", name), ("pull", name)]
-    # the existing-file and GGUF-returning paths are unchanged
-    assert catalog.resolve_model(stories_dir, prepare_int4=True) == stories_dir
+    with pytest.raises(CatalogError, match=r"smollm2-135m-instruct:int4: not in the cache"):
+        edgeinfer.load(f"{name}:int4", backend="reference")
+    assert catalog.resolve_model(stories_dir) == stories_dir  # an existing path as it is
 
 
 def test_a_cached_int4_file_is_used_without_a_converter(monkeypatch, tmp_path):
@@ -212,4 +215,17 @@ def test_a_cached_int4_file_is_used_without_a_converter(monkeypatch, tmp_path):
     eif.write_bytes(b"eif")
     monkeypatch.setattr(catalog, "prepared_path", lambda n: eif)
     monkeypatch.setattr(catalog, "pull", lambda n, **kw: pytest.fail("pulled"))
-    assert catalog.resolve_model(name, prepare_int4=True) == eif
+    assert catalog.resolve_model(f"{name}:int4") == eif
+
+
+def test_a_catalog_gguf_runs_with_the_model_card_sampling(smollm2_gguf, tmp_path):
+    src = catalog.read_resolved(smollm2_gguf)
+    assert src.format == "gguf" and src.generation["temperature"] == 0.2
+    assert src.generation["top_p"] == 0.9 and src.generation["eos_token_id"] == [2, 0]
+    other = tmp_path / smollm2_gguf.name  # control: the same file outside the cache
+    try:
+        os.link(smollm2_gguf, other)
+    except OSError:  # another file system
+        import shutil
+        shutil.copyfile(smollm2_gguf, other)
+    assert "temperature" not in catalog.read_resolved(other).generation

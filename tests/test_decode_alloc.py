@@ -194,12 +194,28 @@ def test_counters_catch_allocations():
     assert any(t.size >= keep.nbytes for t in snap.traces)
 
 
+def _gguf_q(w: np.ndarray, qname: str):
+    """``w`` [out, in] quantized by gguf's own quantizer into ``qname`` blocks and re-laid
+    as a GGUF file's tensor loads natively (edgeinfer.readers.gguf_blocks)."""
+    import gguf
+
+    from edgeinfer.readers.gguf_blocks import relayout
+    raw = gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType[qname])
+    return relayout(raw, qname, "t", "test.gguf")
+
+
 def _model(weights: str) -> Transformer:
     """stories260K on a CpuBackend: "q4" RTN INT4 linears and an 8-bit head, "f32" all
-    float32 (as loaded), "f32+q8head" float32 with an 8-bit head."""
+    float32 (as loaded), "f32+q8head" float32 with an 8-bit head, "gguf" GGUF blocks
+    re-laid (Q4_1 linears with float mins where rows are whole blocks, a Q8_0 head)."""
     from safetensors.numpy import load_file
     cfg = ModelConfig.from_hf_dict(json.loads((MODEL_DIR / "config.json").read_text()))
     tensors = load_file(str(MODEL_DIR / "model.safetensors"))
+    if weights == "gguf":
+        tensors = {k: (_gguf_q(v, "Q8_0" if "head" in k else "Q4_1")
+                       if v.ndim == 2 and "embed" not in k and v.shape[1] % 32 == 0 else v)
+                   for k, v in tensors.items()}
+        return Transformer(cfg, tensors, CpuBackend(), 256)
     if weights != "f32":
         tensors["lm_head.weight"] = rtn8_rows(tensors["lm_head.weight"])
     if weights == "q4":
@@ -208,7 +224,7 @@ def _model(weights: str) -> Transformer:
     return Transformer(cfg, tensors, CpuBackend(), 256)
 
 
-@pytest.fixture(scope="module", params=["q4", "f32", "f32+q8head"])
+@pytest.fixture(scope="module", params=["q4", "f32", "f32+q8head", "gguf"])
 def quant_model(request):
     """The model under test, once per weight format (the name predates the dense ones)."""
     return _model(request.param)
@@ -297,16 +313,22 @@ def test_dense_decode_positive_controls(kv, monkeypatch):
 
 
 def _gemma_model(weights: str) -> Transformer:
-    """A tiny random Gemma-3-like model on a CpuBackend ("q4": RTN INT4 linears, "f32")."""
+    """A tiny random Gemma-3-like model on a CpuBackend ("q4": RTN INT4 linears, "f32",
+    "gguf": GGUF blocks re-laid, 8- and 4-bit)."""
     cfg, tensors = tiny_gemma(vocab_size=512, hidden_size=64, intermediate_size=96,
                               num_attention_heads=4)
     if weights == "q4":
         tensors = {k: rtn4(v, 32) if v.ndim == 2 and "embed" not in k else v
                    for k, v in tensors.items()}
+    if weights == "gguf":  # a Q4_K_M-like mix: 8-bit Q5_0 / Q5_1 / Q8_0, 4-bit Q4_1
+        kinds = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_1",
+                 "gate_proj": "Q5_1", "up_proj": "Q5_1", "down_proj": "Q4_1", "embed": "Q8_0"}
+        tensors = {k: next((_gguf_q(v, q) for n, q in kinds.items() if n in k), v)
+                   if v.ndim == 2 else v for k, v in tensors.items()}
     return Transformer(cfg, tensors, CpuBackend(), 256)
 
 
-@pytest.fixture(scope="module", params=["q4", "f32"])
+@pytest.fixture(scope="module", params=["q4", "f32", "gguf"])
 def gemma_model(request):
     return _gemma_model(request.param)
 

@@ -254,7 +254,7 @@ def gemma(gemma_gguf):
     from edgeinfer.api import tokenizer_for
     from edgeinfer.readers import read_model
 
-    src = read_model(str(gemma_gguf))
+    src = read_model(str(gemma_gguf)).float32()  # the GGUF's values as float32, for HF
     tensors = {k: src.tensors[k] for k in src.tensors}  # dequantize once, share with HF
     return {"src": src, "tok": tokenizer_for(src), "tensors": tensors,
             "ours": Transformer(src.config, tensors, ReferenceBackend()),

@@ -389,3 +389,26 @@ def test_programs_built_once(be):
     other = OpenCLBackend()  # same device: shares the context and the program cache
     other.rmsnorm(other.upload(np.ones((2, 8), np.float32)), other.upload(np.ones(8, np.float32)), 1e-5)
     assert other._dc.builds == n
+
+
+def test_linear_gguf_mins_weights_fall_back_to_dense_with_a_log(be, caplog):
+    """A GGUF layout with float group mins (Q4_1 / Q5_1 / Q4_K, re-laid) has no OpenCL
+    kernel yet: uploaded dequantized (same values), logged, and the results match."""
+    import logging
+
+    import gguf
+    from edgeinfer.readers.gguf_blocks import relayout
+
+    rng = np.random.default_rng(8)
+    for qname in ("Q4_1", "Q5_1", "Q5_0"):
+        raw = gguf.quants.quantize(rng.standard_normal((21, 96)).astype(np.float32),
+                                   gguf.GGMLQuantizationType[qname])
+        w = relayout(raw, qname, "t", "x.gguf")
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            h = be.upload_weight(w)
+        logged = any("float group mins" in r.getMessage() for r in caplog.records)
+        assert logged == (w.mins is not None), qname  # Q5_0 (no mins) keeps the 8-bit kernels
+        for t in (1, 4):
+            _check_linear(be, rng, w, t)
+        assert h is not None

@@ -207,7 +207,7 @@ def smollm2_int4(smollm2_gguf):
 
     from edgeinfer.readers import read_model
 
-    src = read_model(str(smollm2_gguf))
+    src = read_model(str(smollm2_gguf)).float32()  # the GGUF's values as float32
     q = {}
     for name in src.tensors:
         t = src.tensors[name]

@@ -25,13 +25,13 @@ def stories_pair(stories_dir, stories_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return read_gguf(smollm2_gguf)
+def smollm2(smollm2_gguf):  # dequantized (the native re-layout: test_gguf_native.py)
+    return read_gguf(smollm2_gguf, native=False)
 
 
 @pytest.fixture(scope="module")
 def qwen(qwen_gguf):
-    return read_gguf(qwen_gguf)
+    return read_gguf(qwen_gguf, native=False)
 
 
 # ---- stories260K: the HF folder and the original GGUF are the same model -------------------
@@ -295,7 +295,7 @@ def test_gemma3_config_and_norms(gemma_gguf):
     assert cfg.sliding_window == 512 and cfg.rope_local_base_freq == 10000.0 and cfg.rope_theta == 1e6
     assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
     assert cfg.query_pre_attn_scalar == 256 and cfg.norm_unit_offset and cfg.qk_norm
-    loaders, _ = gguf_tensors(g, cfg)
+    loaders, _ = gguf_tensors(g, cfg, native=False)
     for gname, hname in (("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
                          ("blk.0.ffn_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight"),
                          ("blk.0.post_attention_norm.weight", "model.layers.0.post_attention_layernorm.weight"),

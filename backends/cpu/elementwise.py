@@ -154,12 +154,14 @@ def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale
 
 @njit(cache=True, fastmath=True, nogil=True)
 def dequant_rows_q8(out, wp, sc, sz, bmap, rows, scale):  # W8[rows, :K] * scale -> out[R, K]
-    """Dequantize rows of a repacked 8-bit weight (``wp`` int8 [out, nb*32])."""
+    """Dequantize rows of a repacked 8-bit weight (``wp`` int8 [out, nb*32]):
+    ``(code * s - sz) * scale`` (``sz`` is 0 for symmetric weights)."""
     k = out.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
         for b in range((k + 31) // 32):
             s = sc[r, bmap[b]]
+            z = sz[r, bmap[b]]
             n = min(32, k - b * 32)
             for j in range(n):
-                out[i, b * 32 + j] = np.float32(wp[r, b * 32 + j]) * s * scale
+                out[i, b * 32 + j] = (np.float32(wp[r, b * 32 + j]) * s - z) * scale

@@ -7,7 +7,8 @@ CPU kernels want (see :mod:`._simd`):
   ``2c`` in the low nibbles and ``2c + 1`` in the high nibbles;
 * 8-bit codes kept as int8 (symmetric, zero point 0);
 * float32 scales ``sc[out, ng]`` and the zero-point term ``sz = s * z`` (z = stored zero,
-  8 for symmetric 4-bit, 0 for 8-bit), so that
+  8 for symmetric 4-bit, 0 for 8-bit; ``sz = -m`` for a weight with float mins,
+  ``w = q * s + m``), so that
   ``W @ x = sum_g sc * (codes . x)_g - sum_g sz * sum(x)_g``;
 * the input dimension padded with zero codes to a multiple of 64 (4-bit) or 32 (8-bit);
   padded activations are zero, so padded columns contribute nothing.
@@ -99,12 +100,15 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         # [out, nch, 2, 32] -> byte j of chunk c = code(64c + j) | code(64c + 32 + j) << 4
         c3 = codes.reshape(out, nb // 2, 2, BLOCK)
         wp = (c3[:, :, 0, :] | (c3[:, :, 1, :] << 4)).reshape(out, nb * 16)
-        z = w.zero_points()  # float32 [out, ng], 8 when symmetric
+        z = None if w.mins is not None else w.zero_points()  # float32 [out, ng], 8 when symmetric
     else:
         wp = np.zeros((out, kpad), np.int8)
         wp[:, :kp] = w.qweight
-        z = np.zeros((out, ng), np.float32)
-    sz = (sc * z).astype(np.float32)
+        z = None if w.mins is not None else np.zeros((out, ng), np.float32)
+    if z is None:
+        sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s - sz
+    else:
+        sz = (sc * z).astype(np.float32)
     return CpuQuantWeight(w.bits, out, w.in_features, g, nb, np.ascontiguousarray(wp),
                           sc, sz, bmap)
 
@@ -122,7 +126,7 @@ def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | No
         the weight (``sc`` a float32 copy of the scales, ``sz`` zeros), or None if ``w``
         does not qualify (the caller repacks).
     """
-    if (w.bits != 8 or w.in_padded % BLOCK or not blocks_align_with_groups(w)
+    if (w.bits != 8 or w.mins is not None or w.in_padded % BLOCK or not blocks_align_with_groups(w)
             or codes.dtype != np.int8 or codes.shape != w.qweight.shape
             or not codes.flags.c_contiguous or not codes.flags.writeable):
         return None

@@ -9,6 +9,7 @@ kernel that read it.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import numpy as np
 
 from ..quantized import QuantizedTensor, unpack_nibbles
 from .device import cl
+
+log = logging.getLogger(__name__)
 
 
 def _size_class(nbytes: int) -> int:
@@ -182,6 +185,10 @@ def repack_weight(context, w: np.ndarray | QuantizedTensor) -> DeviceWeight:
     Raises:
         ValueError: not 2-D, or an unsupported dtype.
     """
+    if isinstance(w, QuantizedTensor) and w.mins is not None:
+        log.info("a %s weight [%d, %d] with float group mins has no OpenCL kernel yet: "
+                 "uploaded dequantized (float32, same values)", w.method, *w.shape)
+        w = w.dequantize()
     if isinstance(w, QuantizedTensor):
         s = np.asarray(w.scales).astype(np.float32)  # exact widening of fp16
         half = False

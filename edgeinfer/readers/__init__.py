@@ -34,7 +34,9 @@ def read_model(path: str | os.PathLike) -> ModelSource:
     edgeinfer's own container (through ``edgeinfer.container.read_eif``).
 
     Returns:
-        A validated :class:`ModelSource` with lazily loaded float32 tensors.
+        A validated :class:`ModelSource` with lazily loaded tensors (float32, or
+        :class:`~edgeinfer.backends.quantized.QuantizedTensor` for an ``.eif``'s quantized
+        weights and a GGUF's native block types).
 
     Raises:
         ModelFormatError: the path does not exist, is not a folder or regular file, is
@@ -87,11 +89,11 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
     return _read(path)
 
 
-def read_gguf(path: str | os.PathLike) -> ModelSource:
+def read_gguf(path: str | os.PathLike, native: bool = True) -> ModelSource:
     """See :func:`edgeinfer.readers.gguf.read_gguf`."""
     from .gguf import read_gguf as _read
 
-    return _read(path)
+    return _read(path, native=native)
 
 
 def config_from_dict(d: dict[str, Any], where: str, extra_eos: list[int] | None = None) -> ModelConfig:

@@ -11,9 +11,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..backends.quantized import QuantizedTensor
 from ..errors import ModelFormatError
 from ..models.config import ModelConfig
 from ..models.families import BY_MODEL_TYPE, LAYER
+
+
+def _rows(t, a: int, b: int):
+    """Rows ``a:b`` of a float array or a QuantizedTensor, as a new contiguous one."""
+    if isinstance(t, QuantizedTensor):
+        return t.take_rows(a, b)
+    return np.ascontiguousarray(t[a:b])
 
 
 def split_fused(config: ModelConfig, loaders: dict[str, Callable[[], np.ndarray]],
@@ -49,7 +57,6 @@ def split_fused(config: ModelConfig, loaders: dict[str, Callable[[], np.ndarray]
                 if part in loaders:
                     raise ModelFormatError(f"{where}: both {name!r} and {part!r} are present; "
                                            f"a checkpoint holds one or the other")
-                loaders[part] = (lambda f=fused, a=start, b=start + n:
-                                 np.ascontiguousarray(f()[a:b]))
+                loaders[part] = (lambda f=fused, a=start, b=start + n: _rows(f(), a, b))
                 shapes[part] = (n, width)
                 start += n

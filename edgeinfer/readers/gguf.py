@@ -1,9 +1,14 @@
 """Read a llama.cpp GGUF file into a :class:`~edgeinfer.source.ModelSource`.
 
 Metadata becomes an HF-style config dict, tensor names become the canonical HF names,
-every tensor is dequantized to float32 on access (``gguf.quants.dequantize``: F32,
-F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K…Q8_K, IQ*), and the tokenizer is rebuilt
-as a ``tokenizer.json`` (:mod:`edgeinfer.readers.gguf_tokenizer`).
+and the tokenizer is rebuilt as a ``tokenizer.json`` (:mod:`edgeinfer.readers.gguf_tokenizer`).
+Weights of the block types in :data:`~edgeinfer.readers.gguf_blocks.NATIVE_TYPES` (Q4_0,
+Q4_1, Q8_0, Q5_0, Q5_1, Q4_K) come back as :class:`QuantizedTensor` re-laid losslessly
+from the file's blocks (:mod:`edgeinfer.readers.gguf_blocks`), so the model runs at its
+own quality with no float32 copy; every other tensor is dequantized to float32 on access
+(``gguf.quants.dequantize``: F32, F16, BF16, Q6_K, Q2_K…Q8_K, IQ*), a quantized one with
+a log line naming it and its type. ``native=False`` dequantizes everything (what the
+converter starts from).
 
 The file header is parsed by :mod:`edgeinfer.readers.gguf_file`; dequantization comes
 from the ``gguf`` package.
@@ -53,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.quantized import QuantizedTensor
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..models.config import ModelConfig
 from ..models.families import BY_GGUF_ARCH, BY_MODEL_TYPE, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
@@ -60,6 +66,7 @@ from ..source import LazyTensors, ModelSource, check_layer_count, expected_specs
 from . import config_from_dict
 from .files import check_template
 from .fused import split_fused
+from .gguf_blocks import NATIVE_TYPES, native_bits_per_weight, relayout
 from .gguf_file import GGUFFile, GGUFTensorInfo
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,7 @@ __all__ = [
     "gguf_config_dict",
     "gguf_tensors",
     "hf_tensor_name",
+    "native_loader",
     "read_gguf",
 ]
 
@@ -313,11 +321,50 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[], np.ndarray]], dict[str, tuple[int, ...]]]:
-    """Canonical HF name -> float32 loader, and -> shape, for every tensor of a GGUF.
+def _unpermute_quantized(w: QuantizedTensor, n_head: int) -> QuantizedTensor:
+    """:func:`_unpermute_rows` on a quantized weight (its codes, scales and mins move with
+    their rows)."""
+    f = lambda a: None if a is None else _unpermute_rows(a, n_head)  # noqa: E731
+    return QuantizedTensor(f(w.qweight), f(w.scales), f(w.zeros), w.bits, w.group_size,
+                           w.in_features, w.method, dict(w.meta), f(w.mins))
 
-    Loaders dequantize on each call and undo the converter's conventions (llama Q/K
-    row permutation, gemma ``1 + w`` norms); see the module docstring.
+
+def native_loader(g: GGUFFile, info: GGUFTensorInfo) -> Callable[[], QuantizedTensor] | None:
+    """A loader re-laying ``info``'s blocks into a :class:`QuantizedTensor`, or None when
+    its type has no native layout or it is not a 2-D weight."""
+    qn = _qname(info.qtype)
+    if qn not in NATIVE_TYPES or len(info.dims) != 2:
+        return None
+
+    def load() -> QuantizedTensor:
+        from ..backends.osmemory import release_mapped_pages
+
+        raw = g.raw(info)
+        try:
+            return relayout(raw, qn, info.name, str(g.path))
+        finally:  # the file's pages of this tensor: read once, not kept resident
+            release_mapped_pages(raw)
+    return load
+
+
+def _finite_quantized(w: QuantizedTensor, name: str, where: str) -> QuantizedTensor:
+    """``w`` after its scales and mins were found finite (an fp16 NaN/inf there would
+    make whole groups non-finite)."""
+    from ..source import check_finite
+
+    check_finite(w.scales, f"{name} scales", where)
+    if w.mins is not None:
+        check_finite(w.mins, f"{name} mins", where)
+    return w
+
+
+def gguf_tensors(g: GGUFFile, config: ModelConfig, native: bool = True) -> tuple[dict[str, Callable[[], Any]], dict[str, tuple[int, ...]]]:
+    """Canonical HF name -> loader, and -> shape, for every tensor of a GGUF.
+
+    Loaders undo the converter's conventions (llama Q/K row permutation, gemma ``1 + w``
+    norms; see the module docstring) on each call. With ``native`` a weight of a type in
+    :data:`NATIVE_TYPES` loads as a :class:`QuantizedTensor` (scales and mins checked
+    finite), every other tensor as float32 (a quantized one logged, by type).
 
     Raises:
         UnsupportedModelError: a tensor with no HF counterpart (never dropped silently).
@@ -328,6 +375,7 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     unknown: list[str] = []
+    float_kept: dict[str, list[str]] = {}  # ggml type -> tensors dequantized (native only)
     permute_heads: dict[str, int] = {}
     if fam.gguf_permute_qk:
         if config.head_dim % 2:
@@ -341,8 +389,24 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
         if hf is None:
             unknown.append(name)
             continue
-        post: list[Callable[[np.ndarray], np.ndarray]] = []
+        post: list[Callable[[Any], Any]] = []
         proj = hf.split(".")[-2]
+        native_load = native_loader(g, info) if native else None
+        if native_load is not None and not (fam.gguf_norm_plus_one and hf.endswith("norm.weight")):
+            if proj in permute_heads:
+                post.append(lambda w, h=permute_heads[proj]: _unpermute_quantized(w, h))
+
+            def load_q(load=native_load, post=post, hf=hf, name=name):
+                w = load()
+                for f in post:
+                    w = f(w)
+                return _finite_quantized(w, f"{hf} ({name})", str(g.path))
+
+            loaders[hf] = load_q
+            shapes[hf] = info.shape
+            continue
+        if native and info.qtype not in _FLOAT_TYPES:
+            float_kept.setdefault(_qname(info.qtype), []).append(name)
         if proj in permute_heads:
             post.append(lambda w, h=permute_heads[proj]: _unpermute_rows(w, h))
         if fam.gguf_norm_plus_one and hf.endswith("norm.weight"):
@@ -356,6 +420,9 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
 
         loaders[hf] = finite_loader(load, f"{hf} ({name})", str(g.path))
         shapes[hf] = info.shape
+    for qn, names in float_kept.items():
+        log.info("%s: %d %s tensor(s) run dequantized to float32 (no native layout for %s "
+                 "yet): %s", g.path, len(names), qn, qn, ", ".join(names))
     if unknown:
         raise UnsupportedModelError(
             f"{g.path}: tensor(s) {', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''} have "
@@ -371,15 +438,18 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig) -> tuple[dict[str, Callable[[
 
 
 
-def read_gguf(path: str | os.PathLike) -> ModelSource:
-    """Read a GGUF file into a validated, lazily dequantized :class:`ModelSource`.
+def read_gguf(path: str | os.PathLike, native: bool = True) -> ModelSource:
+    """Read a GGUF file into a validated, lazily loaded :class:`ModelSource`.
 
     Args:
         path: a ``.gguf`` file of an architecture in :mod:`edgeinfer.models.families`.
+        native: weights of the native block types as :class:`QuantizedTensor` (the
+            file's own values, re-laid); False: every tensor dequantized to float32.
 
     Returns:
-        ModelSource with ``format="gguf"``: canonical HF tensor names, float32 arrays in HF
-        orientation and conventions (see the module docstring), a rebuilt
+        ModelSource with ``format="gguf"``: canonical HF tensor names, QuantizedTensor or
+        float32 arrays in HF orientation and conventions (see the module docstring), a
+        rebuilt
         ``tokenizer.json``, the chat template of ``tokenizer.chat_template``, BOS/EOS from
         ``tokenizer.ggml.*``. ``provenance`` records the GGUF version, file type and the
         count of each tensor type.
@@ -425,7 +495,7 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
                               f"{p}: GGUF metadata tokenizer.chat_template")
 
     bos_id, eos_id = cfg.get("bos_token_id"), cfg.get("eos_token_id")
-    loaders, shapes = gguf_tensors(g, config)
+    loaders, shapes = gguf_tensors(g, config, native=native)
 
     generation: dict[str, Any] = {"eos_token_id": list(config.eos_token_ids)}
     if bos_id is not None:
@@ -448,7 +518,10 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
             "tensor_types": dict(Counter(_qname(i.qtype) for i in g.tensors.values())),
             "tokenizer.ggml.model": md.get("tokenizer.ggml.model"),
             "tokenizer.ggml.pre": md.get("tokenizer.ggml.pre"),
+            "native": native,
+            "native_weight_bytes": _weight_bytes(g, native),
         },
+        mapping=g._mm,  # dropped once a backend holds its copies (nothing keeps a view)
     )
     src.validate()  # tensors first: a broken file fails before the (slower) tokenizer build
     src.tokenizer_json, src.add_bos_token = tokenizer_json_from_gguf(md, where=str(p),
@@ -456,7 +529,21 @@ def read_gguf(path: str | os.PathLike) -> ModelSource:
     return src
 
 
+def _weight_bytes(g: GGUFFile, native: bool) -> int:
+    """Bytes the tensors take once loaded: the re-laid size of native types, float32
+    for the rest."""
+    total = 0
+    for info in g.tensors.values():
+        n = math.prod(info.dims)
+        bpw = native_bits_per_weight(_qname(info.qtype)) if native and len(info.dims) == 2 else None
+        total += int(n * bpw / 8) if bpw is not None else 4 * n
+    return total
+
+
 def _qname(qtype: int) -> str:
     import gguf
 
     return gguf.GGMLQuantizationType(qtype).name
+
+
+_FLOAT_TYPES = (0, 1, 30)  # ggml F32, F16, BF16
