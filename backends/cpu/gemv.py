@@ -125,7 +125,7 @@ def gemv_q8_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W8[out, in] @ x
         _q8_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, fastmath=False)  # strict order, not inlined: the same sums in every caller
 def _finish_rows(y, r0, nr, sz, xg, bias):  # y[r] -= sz[r, :] . xg (+ bias[r])
     ng = sz.shape[1]
     for r in range(r0, r0 + nr):
