@@ -7,10 +7,15 @@ into the KV cache. Checked on real models (stories260K RTN INT4, SmolLM2-135M IN
 int8 and f16:
 
 * logits of the same rows computed whole (M = T), in chunks of 7 and token by token
-  (decode steps through the compiled plan) are bit-identical;
+  (decode steps through the compiled plan) are bit-identical, and so are the KV cache
+  bytes they wrote;
 * through the engine: prefill N == prefill N-k then a cache-hit prefill of the rest ==
   prefill N-k then k decode steps (logits bit-identical, greedy continuations equal);
   a chat's second turn reusing the decoded first reply == the same prompt cold.
+
+int4 KV is left out: its K channel statistics are fixed by the first write, so a first
+write shorter than their 32-row window (chunks of 7, decode steps) gives other codes
+(a known open problem of the int4 cache, not of the linears).
 
 Controls: the cache hits really happened (reused token counts), and the float-activation
 path (``exact_decode``) gives different logits, so equality is not vacuous.
@@ -56,18 +61,24 @@ def _prompt(src, n):
 
 def _rows_three_ways(src, ids, kv):
     tr = Transformer(src.config, src.tensors, CpuBackend(threads=2), 128)
-    whole = tr.forward(np.asarray(ids, np.int32), tr.new_cache(128, kv), all_logits=True)
-    c = tr.new_cache(128, kv)
-    chunks = np.concatenate([tr.forward(np.asarray(ids[s:s + 7], np.int32), c, all_logits=True)
+    cw = tr.new_cache(128, kv)
+    whole = tr.forward(np.asarray(ids, np.int32), cw, all_logits=True)
+    c7 = tr.new_cache(128, kv)
+    chunks = np.concatenate([tr.forward(np.asarray(ids[s:s + 7], np.int32), c7, all_logits=True)
                              for s in range(0, len(ids), 7)])
-    c = tr.new_cache(128, kv)
-    steps = np.stack([np.array(tr.forward(np.asarray(ids[i:i + 1], np.int32), c)[-1])
+    c1 = tr.new_cache(128, kv)
+    steps = np.stack([np.array(tr.forward(np.asarray(ids[i:i + 1], np.int32), c1)[-1])
                       for i in range(len(ids))])
-    assert tr.plan(c) is not None  # the steps ran through the compiled decode plan
+    assert tr.plan(c1) is not None  # the steps ran through the compiled decode plan
+    for layer in range(src.config.num_hidden_layers):  # the same K/V bytes, however written
+        for name, arr in cw.raw(layer).items():
+            for other in (c7, c1):
+                assert np.array_equal(arr[:len(ids)].view(np.uint8),
+                                      other.raw(layer)[name][:len(ids)].view(np.uint8)), name
     return whole, chunks, steps
 
 
-@pytest.mark.parametrize("kv", KVS)
+@pytest.mark.parametrize("kv", KVS + ["f32", "k8v4"])
 @pytest.mark.parametrize("n", [5, 33, 70])  # T below / across / past the 32-token chunks
 def test_rows_bit_identical_whatever_m_stories(stories_int4, kv, n):
     whole, chunks, steps = _rows_three_ways(stories_int4, _prompt(stories_int4, n), kv)
