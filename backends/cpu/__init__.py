@@ -1,11 +1,12 @@
-"""The Numba CPU backend: INT4/INT8 integer-dot GEMV for decode, dequantized tiles + BLAS
-for prefill, blocked GQA attention over the host KV cache.
+"""The Numba CPU backend: INT4/INT8 integer-dot GEMV for decode and an integer GEMM with
+the same per-row numerics for prefill, blocked GQA attention over the host KV cache.
 
 Tensors are host numpy float32 arrays. Quantized weights are repacked once at upload
 (:mod:`.repack`); dense float32 weights are used as given (a float32 memmap stays a
 memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does not.
 
-Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefill),
+Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.qgemm` (prefill on
+quantized weights), :mod:`.gemm` (dense weights, ``exact_decode``),
 :mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
 :mod:`._simd`. :meth:`CpuBackend.group_linears` fuses q/k/v and gate/up into one weight
@@ -13,10 +14,10 @@ write and attention over the codes), :mod:`.elementwise`, with the SIMD row kern
 Numba calls per layer for 4-bit plain blocks, :mod:`.stepwise` for the others), which
 allocates nothing.
 
-Threading: Numba's OpenMP pool for the decode kernels, started at import by
+Threading: Numba's OpenMP pool for the integer kernels, started at import by
 :func:`.threads.start_threads` (workers sleep between regions, ``PASSIVE``, unless the
 user's ``OMP_WAIT_POLICY`` says otherwise; ``os.environ`` is left untouched); a small
-Python thread pool with single-threaded OpenBLAS for the prefill GEMM (:mod:`.gemm`), so
+Python thread pool with single-threaded OpenBLAS for the BLAS GEMMs (:mod:`.gemm`), so
 two spinning pools never fight over the cores. :func:`kernel_paths` and
 :func:`.threads.threading_info` say what this process chose.
 """
