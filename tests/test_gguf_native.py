@@ -28,7 +28,7 @@ from edgeinfer.readers.gguf_file import GGUFFile
 QT = gguf.GGMLQuantizationType
 REF = ReferenceBackend()
 CPU = CpuBackend()
-ACT8_TOL = 1.5e-2
+ACT_TOL = 2e-4  # the integer linears' 15-bit activations (tests/test_cpu_kernels.py)
 FLOAT_TOL = 1e-5
 
 #: byte offsets of each type's fp16 fields (d, and m / dmin) inside a block
@@ -128,13 +128,12 @@ def test_cpu_linear_on_relaid_weights_matches_reference(qname, out, nblk, t):
     ref = REF.linear(x, REF.upload_weight(w), bias)
     assert bits_equal(REF.upload_weight(w), gguf.quants.dequantize(raw, QT[qname]))
     y = CPU.linear(x, h, bias)
-    tol = ACT8_TOL if t == 1 else FLOAT_TOL  # decode: int8 activations; prefill: float GEMM
-    assert nerr(y, ref) < tol
+    assert nerr(y, ref) < ACT_TOL  # decode GEMV and prefill GEMM: the same integer numerics
     if t == 1:  # control: without the mins term the result is far off (they are used)
         if w.mins is not None:
             h0 = CPU.upload_weight(QuantizedTensor(w.qweight, w.scales, None, w.bits,
                                                    w.group_size, w.in_features))
-            assert nerr(CPU.linear(x, h0, bias), ref) > 2 * ACT8_TOL
+            assert nerr(CPU.linear(x, h0, bias), ref) > 3e-2
 
 
 @pytest.mark.parametrize("qname", ["Q8_0", "Q5_0", "Q5_1", "Q4_1"])

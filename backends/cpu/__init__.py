@@ -1,11 +1,12 @@
-"""The Numba CPU backend: INT4/INT8 integer-dot GEMV for decode, dequantized tiles + BLAS
-for prefill, blocked GQA attention over the host KV cache.
+"""The Numba CPU backend: INT4/INT8 integer-dot GEMV for decode and an integer GEMM with
+the same per-row numerics for prefill, blocked GQA attention over the host KV cache.
 
 Tensors are host numpy float32 arrays. Quantized weights are repacked once at upload
 (:mod:`.repack`); dense float32 weights are used as given (a float32 memmap stays a
 memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does not.
 
-Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.gemm` (prefill),
+Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.qgemm` (prefill on
+quantized weights), :mod:`.gemm` (dense weights, ``exact_decode``),
 :mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
 :mod:`._simd`. :meth:`CpuBackend.group_linears` fuses q/k/v and gate/up into one weight
@@ -13,10 +14,10 @@ write and attention over the codes), :mod:`.elementwise`, with the SIMD row kern
 Numba calls per layer for 4-bit plain blocks, :mod:`.stepwise` for the others), which
 allocates nothing.
 
-Threading: Numba's OpenMP pool for the decode kernels, started at import by
+Threading: Numba's OpenMP pool for the integer kernels, started at import by
 :func:`.threads.start_threads` (workers sleep between regions, ``PASSIVE``, unless the
 user's ``OMP_WAIT_POLICY`` says otherwise; ``os.environ`` is left untouched); a small
-Python thread pool with single-threaded OpenBLAS for the prefill GEMM (:mod:`.gemm`), so
+Python thread pool with single-threaded OpenBLAS for the BLAS GEMMs (:mod:`.gemm`), so
 two spinning pools never fight over the cores. :func:`kernel_paths` and
 :func:`.threads.threading_info` say what this process chose.
 """
@@ -56,6 +57,7 @@ from .elementwise import (
 )
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
+from .qgemm import gemm_int
 from .kvquant import (
     attention_q,
     attention_q_serial,
@@ -105,12 +107,14 @@ def kernel_paths() -> dict[str, str]:
     """The instruction path each kernel family took in this process, chosen at import.
 
     ``gemv`` (decode integer dots, :mod:`._simd`): ``"avx2"`` or ``"portable"``;
-    ``gemm`` (prefill, :mod:`.gemm`): the BLAS library and the core its dispatch picked,
-    e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
+    ``qgemm`` (prefill on quantized weights, :mod:`.qgemm`: the same row kernels);
+    ``gemm`` (dense weights and ``exact_decode``, :mod:`.gemm`): the BLAS library and
+    the core its dispatch picked, e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
     (attention, elementwise, fused halves) for, e.g. ``"znver3"``.
     """
     import llvmlite.binding as llb
-    return {"gemv": "avx2" if _simd.HAVE_AVX2 else "portable", "gemm": blas_core(),
+    rows = "avx2" if _simd.HAVE_AVX2 else "portable"
+    return {"gemv": rows, "qgemm": rows, "gemm": blas_core(),
             "numba": numba.config.CPU_NAME or llb.get_host_cpu_name()}
 
 
@@ -122,11 +126,10 @@ class CpuBackend(Backend):
             ``numba.config.NUMBA_NUM_THREADS``): Numba's parallel kernels (set with
             ``numba.set_num_threads``, which is per calling thread: construct the backend
             on the thread that runs the model) and the prefill GEMM tile workers.
-        exact_decode: compute decode (T <= ``GEMV_MAX_T``) quantized linears like prefill
-            (dequantized tiles + BLAS, float32 activations) instead of the int8-activation
-            integer GEMV, and compile no decode plan (the model composes the ops): slower,
-            but logits match the reference to ~1e-6 (the fast path to ~1e-2 normalized
-            error, like llama.cpp's Q8_0 activations). For parity tests and debugging.
+        exact_decode: compute every quantized linear (any T) on dequantized tiles + BLAS
+            with float32 activations instead of the integer kernels, and compile no decode
+            plan (the model composes the ops): slower, logits match the reference to
+            ~1e-6. For parity tests and debugging.
 
     One instance runs one forward at a time (activation and decode scratch are shared);
     use one backend per concurrent session.
@@ -241,8 +244,10 @@ class CpuBackend(Backend):
     def linear(self, x, w, bias=None):
         """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]).
 
-        Quantized W: T <= ``GEMV_MAX_T`` uses the int8-activation integer GEMV (unless
-        ``exact_decode``), larger T dequantized tiles + BLAS on the tile workers. Dense W:
+        Quantized W: T <= ``GEMV_MAX_T`` the integer GEMV per row, larger T the integer
+        GEMM of :mod:`.qgemm`, whose rows are bit-identical to the GEMV's (so the
+        output of a row never depends on T); ``exact_decode``: dequantized tiles + BLAS
+        on the tile workers for every T. Dense W:
         numpy BLAS (tiled on the workers for T > ``GEMV_MAX_T``).
 
         Raises:
@@ -260,12 +265,14 @@ class CpuBackend(Backend):
         if isinstance(w, CpuQuantWeight):
             if k != w.in_features:
                 raise ValueError(f"linear: x has {k} features, weight expects {w.in_features}")
-            if t <= GEMV_MAX_T and not self.exact_decode:
+            if self.exact_decode:
+                y = gemm_quant(x2, w, bias, self._pool)
+            elif t <= GEMV_MAX_T:
                 y = np.empty((t, w.out_features), np.float32)
                 for i in range(t):
                     gemv_quant(y[i], x2[i], w, bias, self.act_scratch)
-            else:
-                y = gemm_quant(x2, w, bias, self._pool)
+            else:  # each row bit-identical to its GEMV (.qgemm)
+                y = gemm_int(x2, w, bias)
         elif t <= GEMV_MAX_T:
             y = x2 @ w.T
             if bias is not None:

@@ -1,9 +1,12 @@
 """SIMD integer-dot row kernels emitted as LLVM IR (llvmlite) and called from Numba.
 
 Why IR and not plain Numba loops: a Numba loop over nibbles widens ``uint8 & 15`` to
-int64, reduces horizontally once per group and converts per element. Here one 32-byte load yields 64 4-bit codes in lane order,
-``pmaddubsw`` (u8 x s8 -> pairwise s16) + ``pmaddwd`` (s16 x 1 -> s32) form 8 partial
-integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe),
+int64, reduces horizontally once per group and converts per element. Here one 32-byte load yields 64 4-bit codes in lane order;
+activations are 15-bit integers ``q = 128 hi + lo`` held as two int8 digit vectors per
+block (:func:`.gemv.quantize_act`): ``pmaddubsw`` (u8 x s8 -> pairwise s16) on each
+digit, ``pmaddwd`` (s16 x 128 and s16 x 1 -> s32) and one add form 8 partial exact
+integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe run
+on both digits),
 one float FMA per block applies the activation scale ``dx_b`` to a per-group accumulator,
 and one FMA per group applies the weight scale (so a g128 row costs one scale load per
 4 blocks, not per block). The 8-float accumulators of R rows stay in registers across the
@@ -16,11 +19,12 @@ Layouts consumed (built by :mod:`.repack`):
 * 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored (symmetric); the dot uses
   ``pmaddubsw(|w|, sign(x, w))``.
 
-Activations: ``xq`` int8 ``[nb * 32]`` and ``dx`` float32 ``[nb]`` (per-block scale).
+Activations: ``xq`` int8 ``[nb * 64]`` (block ``b``: hi digits at ``64 b``, lo digits at
+``64 b + 32``) and ``dx`` float32 ``[nb]`` (per-block scale).
 Scales: ``sc`` float32 ``[rows, ng]``; ``bmap`` int32 ``[nb]`` maps block -> group.
 
 The kernels compute, for each of R rows starting at ``r0``:
-``y[r] = sum_g sc[r, g] * sum_{b: bmap[b] = g} dx[b] * sum_{k in b} code[r, k] * xq[k]``
+``y[r] = sum_g sc[r, g] * sum_{b: bmap[b] = g} dx[b] * sum_{k in b} code[r, k] * q[k]``
 (no zero-point term; the caller subtracts it; ``bmap`` must be non-decreasing). Only emitted when the host has AVX2 (:data:`HAVE_AVX2`);
 otherwise :mod:`.gemv` uses a portable Numba loop with the same result.
 
@@ -77,7 +81,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
     """Build an intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` rows.
 
     ``y`` float32 [rows] (written at r0..r0+n_rows-1), ``r0`` int64 first row, ``wp``
-    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int8 [nb*32], ``dx``
+    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int8 [nb*64], ``dx``
     float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for 4 bits).
     """
 
@@ -102,6 +106,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
             pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
             fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
             ones16 = ir.Constant(_V16I16, [1] * 16)
+            c128 = ir.Constant(_V16I16, [128] * 16)
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
             xbase = builder.bitcast(a_xq.data, _I8.as_pointer())
             accs, gaccs = [], []
@@ -130,10 +135,14 @@ def _make_rows_kernel(n_rows: int, bits: int):
                     builder.store(zero8, gaccs[r])
 
             def block(bidx, codes_per_row, signs=None):
-                # one 32-element block for every row: gacc_r += cvt(idot_r) * dx_b; the
-                # group scale is applied once per group in flush()
-                xv0 = builder.load(builder.bitcast(_gep(builder, xbase, builder.mul(
-                    bidx, ir.Constant(i64, 32))), _V32I8.as_pointer()), align=1)
+                # one 32-element block for every row: gacc_r += cvt(idot_r) * dx_b with
+                # idot = 128 * (codes . hi) + codes . lo (exact in int32); the group scale
+                # is applied once per group in flush()
+                xoff = builder.mul(bidx, ir.Constant(i64, 64))
+                xh0 = builder.load(builder.bitcast(_gep(builder, xbase, xoff),
+                                                   _V32I8.as_pointer()), align=1)
+                xl0 = builder.load(builder.bitcast(_gep(builder, xbase, builder.add(
+                    xoff, ir.Constant(i64, 32))), _V32I8.as_pointer()), align=1)
                 g = builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
                 with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
                                      likely=False):
@@ -141,9 +150,14 @@ def _make_rows_kernel(n_rows: int, bits: int):
                     builder.store(g, cur_g)
                 f = _splat_f32(builder, builder.load(_gep(builder, a_dx.data, bidx)))
                 for r in range(n_rows):
-                    xv = xv0 if signs is None else builder.call(psign, [xv0, signs[r]])
-                    p16 = builder.call(pmaddubsw, [codes_per_row[r], xv])
-                    p32 = builder.call(pmaddwd, [p16, ones16])
+                    xh, xl = xh0, xl0
+                    if signs is not None:
+                        xh = builder.call(psign, [xh0, signs[r]])
+                        xl = builder.call(psign, [xl0, signs[r]])
+                    ph = builder.call(pmaddubsw, [codes_per_row[r], xh])
+                    pl = builder.call(pmaddubsw, [codes_per_row[r], xl])
+                    p32 = builder.add(builder.call(pmaddwd, [ph, c128]),
+                                      builder.call(pmaddwd, [pl, ones16]))
                     pf = builder.sitofp(p32, _V8F32)
                     builder.store(builder.call(fmuladd, [pf, f, builder.load(gaccs[r])]),
                                   gaccs[r])
@@ -166,7 +180,8 @@ def _make_rows_kernel(n_rows: int, bits: int):
                     block(builder.add(b0, ir.Constant(i64, 1)), his)
             else:
                 # s8 x s8 through u8 x s8: |w| . sign(x, w) (llama.cpp's Q8_0 AVX2 trick);
-                # |w| <= 128 and |x| <= 127 keep pmaddubsw's s16 pair sums from saturating.
+                # |w| <= 128 and |digit| <= 127 keep pmaddubsw's s16 pair sums from
+                # saturating (2 * 128 * 127 = 32512).
                 absf = _declare(mod, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
                 psign = _declare(mod, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
                 with cgutils.for_range(builder, nbv) as loop:
@@ -204,10 +219,12 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
                 sh = np.int32(4 * (b % 2))
                 for j in range(32):
                     code = (np.int32(wp[r, c * 32 + j]) >> sh) & np.int32(15)
-                    s += code * np.int32(xq[b * 32 + j])
+                    s += code * (np.int32(128) * np.int32(xq[b * 64 + j])
+                                 + np.int32(xq[b * 64 + 32 + j]))
             else:  # wp is int8 here
                 for j in range(32):
-                    s += np.int32(wp[r, b * 32 + j]) * np.int32(xq[b * 32 + j])
+                    s += np.int32(wp[r, b * 32 + j]) * (np.int32(128) * np.int32(xq[b * 64 + j])
+                                                        + np.int32(xq[b * 64 + 32 + j]))
             gacc += dx[b] * np.float32(s)
         y[r] = acc + gacc * sc[r, bmap[nb - 1]]
 

@@ -1,7 +1,7 @@
 """Row-wise kernels: RMSNorm, RoPE, dequantization of weight rows (embedding, prefill tiles).
 
-GLU is numpy ufuncs written into a given output (:func:`glu_into`): their SIMD exp/tanh
-beat Numba's scalar libm calls.
+GLU uses a vectorizable polynomial ``exp`` (:func:`glu_row`). The per-row kernels are
+strict float32 and not inlined, so the fused decode and prefill compute a row alike.
 
 Each op has a serial row kernel (used directly for decode, T = 1: a parallel region
 costs ~3 us of fork/join on 2 cores, more than the work) and a ``prange`` wrapper
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+from ._simd import i32_as_f32
 
 #: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
 PAR_MIN_ELEMS = 32768
@@ -30,7 +32,10 @@ def is_gelu(act: str) -> bool:
 
 
 # ---- RMSNorm -------------------------------------------------------------------------
-@njit(cache=True, fastmath=True, inline="always")
+# The per-row kernels below are strict float32 (no fast-math) and not inlined: each row is
+# computed by the same instruction sequence in every caller (prefill's row loops, the
+# fused decode halves), so a token's values never depend on how many tokens run with it.
+@njit(cache=True)
 def _rmsnorm_row(y, x, w, eps, unit_offset):  # x[N] -> y[N] = x / rms(x) * (w | 1 + w)
     n = x.shape[0]
     ss = np.float32(0.0)
@@ -60,7 +65,7 @@ def rmsnorm_rows_par(y, x, w, eps, unit_offset):  # x[R, N] -> y[R, N], rows in 
 
 
 # ---- RoPE (NeoX rotate-half pairing) -------------------------------------------------
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True)  # strict, not inlined (see _rmsnorm_row)
 def _rope_token(y, x, cos, sin, pos):  # x[H, hd] -> y[H, hd] rotated at position pos
     h, hd = x.shape
     r2 = cos.shape[1]
@@ -90,42 +95,71 @@ def rope_tokens_par(y, x, cos, sin, positions):  # x[T, H, hd] -> y[T, H, hd], p
         _rope_token(y[t], x[t], cos, sin, positions[t])
 
 
-# ---- GLU (numpy ufuncs) ---------------------------------------------------------------
-def _const(v):  # a read-only float32 [1] operand: a scalar operand allocates a 0-d array
-    a = np.full(1, v, np.float32)
-    a.flags.writeable = False
-    return a
+# ---- GLU ---------------------------------------------------------------------------------
+@njit(cache=True, error_model="numpy", inline="always")
+def _exp_strict(x):  # float32 -> float32 e**x: exp_f32's formula (Cephes expf) without fast-math
+    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    return p * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-_ONE, _HALF = _const(1.0), _const(0.5)
-_GELU_A, _GELU_C = _const(0.044715), _const(0.7978845608028654)  # c = sqrt(2 / pi)
+@njit(cache=True, error_model="numpy")  # strict, not inlined (see _rmsnorm_row)
+def glu_row(m, g, u, gelu):  # g[F], u[F] -> m[F] = act(g) * u
+    """``m[i] = act(g[i]) * u[i]``: SiLU ``g / (1 + e^-g)``, or GELU-tanh when ``gelu``
+    (``tanh(z) = 1 - 2 / (e^2z + 1)``); ``exp`` as :func:`.attention.exp_f32` (Cephes
+    ``expf``, ~1 ulp), strict float32. ``m`` may alias ``g`` or ``u``."""
+    f = m.shape[0]
+    if gelu:
+        c = np.float32(0.7978845608028654)
+        for i in range(f):
+            x = g[i]
+            z = c * (x + np.float32(0.044715) * x * x * x)
+            th = np.float32(1.0) - np.float32(2.0) / (_exp_strict(np.float32(2.0) * z)
+                                                      + np.float32(1.0))
+            m[i] = np.float32(0.5) * x * (np.float32(1.0) + th) * u[i]
+    else:
+        for i in range(f):
+            x = g[i]
+            m[i] = x / (np.float32(1.0) + _exp_strict(-x)) * u[i]
+
+
+@njit(cache=True)
+def glu_rows2(y, g, u, gelu):  # g[R, F], u[R, F] -> y[R, F], serial
+    """:func:`glu_row` on each row (any strides)."""
+    for r in range(g.shape[0]):
+        glu_row(y[r], g[r], u[r], gelu)
+
+
+@njit(parallel=True, cache=True)
+def glu_rows2_par(y, g, u, gelu):  # as glu_rows2, rows split across threads
+    """As :func:`glu_rows2`, rows split across threads (prefill)."""
+    for r in prange(g.shape[0]):
+        glu_row(y[r], g[r], u[r], gelu)
 
 
 def glu_into(y, g, up, gelu):
-    """``y[..., F] = act(g) * up`` in place of ``y`` (float32, same shape as ``g`` and
-    ``up``; may not alias ``g``); act SiLU, or GELU-tanh when ``gelu``. Allocates nothing.
-
-    numpy ufuncs (SIMD exp / tanh), not Numba, whose scalar libm ``exp`` per element is
-    ~10x slower (benchmarks/MEASUREMENTS.md). Constants are float32 [1] arrays: a scalar
-    operand would allocate a 0-d array per ufunc call.
+    """``y[..., F] = act(g) * up`` into ``y`` (float32 C-contiguous, same shape as ``g``
+    and ``up``); act SiLU, or GELU-tanh when ``gelu`` (:func:`glu_row` per row: the fused
+    decode's numerics). Strided ``g`` / ``up`` (column views of a fused gate|up output)
+    are copied to contiguous rows first; contiguous ones allocate nothing.
     """
-    if gelu:  # 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * up
-        np.multiply(g, g, out=y)
-        np.multiply(y, _GELU_A, out=y)
-        np.add(y, _ONE, out=y)
-        np.multiply(y, g, out=y)
-        np.multiply(y, _GELU_C, out=y)
-        np.tanh(y, out=y)
-        np.add(y, _ONE, out=y)
-        np.multiply(y, g, out=y)
-        np.multiply(y, _HALF, out=y)
-    else:  # silu: g / (1 + exp(-g))
-        np.negative(g, out=y)
-        with np.errstate(over="ignore"):  # exp(-g) -> inf gives the right limit 0
-            np.exp(y, out=y)
-        np.add(y, _ONE, out=y)
-        np.divide(g, y, out=y)
-    np.multiply(y, up, out=y)
+    if g.ndim != 2:
+        f = g.shape[-1]
+        glu_into(y.reshape(-1, f), g.reshape(-1, f), up.reshape(-1, f), gelu)
+        return y
+    # C-contiguous rows, as the fused decode passes them: the same compiled row kernel
+    # (a strided row compiles to other, unvectorized code whose results differ by ulps)
+    g, up = np.ascontiguousarray(g), np.ascontiguousarray(up)
+    fn = glu_rows2_par if g.size >= PAR_MIN_ELEMS else glu_rows2
+    fn(y, g, up, gelu)
     return y
 
 

@@ -9,9 +9,8 @@ small ops per layer, whose Python dispatch would be a large share of the step):
   ``m = act(g) * u``; ``x_out = x1 + Wd @ m``.
 
 Each GEMV is the one of :mod:`.gemv` (int8 activations per 32-block, integer dots, 4-row
-blocks in ``prange``), so the numerics equal the unfused CPU path except the activation
-function, computed with :func:`.attention.exp_f32` (a Cody-Waite + degree-6 polynomial ``exp``,
-max relative error ~2e-7 over float32's range; vectorizes, unlike a libm call).
+blocks in ``prange``), and the norm, RoPE and GLU are the row kernels of :mod:`.elementwise`, so a
+decode step computes bit for bit what a prefill computes for the same token.
 
 ``*_par`` variants split the rows of each GEMV across Numba's threads; ``*_ser`` run on
 the calling thread (small weights, where a fork/join costs more than the work).
@@ -23,28 +22,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import exp_f32
-from .elementwise import _rmsnorm_row, _rope_token
+from .elementwise import _rmsnorm_row, _rope_token, glu_row
 from .gemv import _q4_block, quantize_act
 
-_exp = exp_f32
 
-
-@njit(cache=True, fastmath=True, error_model="numpy")  # no zero-division branch: vectorizes
+@njit(cache=True)
 def glu_rows(m, gu, gelu):  # gu[2F] = [gate | up] -> m[F] = act(gate) * up
-    """``m[i] = act(gu[i]) * gu[F + i]``; act SiLU, or GELU-tanh when ``gelu``."""
+    """``m[i] = act(gu[i]) * gu[F + i]`` by :func:`.elementwise.glu_row` (prefill's GLU)."""
     f = m.shape[0]
-    if gelu:
-        c = np.float32(0.7978845608028654)
-        for i in range(f):
-            g = gu[i]
-            u = c * (g + np.float32(0.044715) * g * g * g)
-            th = np.float32(1.0) - np.float32(2.0) / (_exp(np.float32(2.0) * u) + np.float32(1.0))
-            m[i] = np.float32(0.5) * g * (np.float32(1.0) + th) * gu[f + i]
-    else:
-        for i in range(f):
-            g = gu[i]
-            m[i] = g / (np.float32(1.0) + _exp(-g)) * gu[f + i]
+    glu_row(m, gu[:f], gu[f:], gelu)
 
 
 @njit(cache=True, fastmath=True, inline="always")

@@ -1,11 +1,12 @@
-"""Prefill linear (T > 1): dequantize weight tiles to float32, multiply with BLAS sgemm.
+"""Float32 linears through BLAS sgemm: dequantized weight tiles (``exact_decode``, any T)
+and dense weights (T > 2). Prefill on quantized weights normally takes the integer GEMM
+of :mod:`.qgemm` instead, whose rows equal the decode GEMV's bit for bit.
 
-Prefill is compute-bound (2 * out * in * T flops), so the integer-dot GEMV, which
-re-streams the weights once per token, is the wrong tool. Instead the output rows are
-split into tiles; each tile is dequantized once into a float32 buffer (a serial Numba
-kernel that releases the GIL) and multiplied by all T tokens with ``np.dot`` (OpenBLAS
-sgemm). No full float copy of the weight ever exists. Results are float32 math on
-exactly-dequantized weights (no activation rounding): ~1e-6 relative to the reference.
+The output rows are split into tiles; each tile is dequantized once into a float32
+buffer (a serial Numba kernel that releases the GIL) and multiplied by all T tokens with
+``np.dot`` (OpenBLAS sgemm). No full float copy of the weight ever exists. Results are
+float32 math on exactly-dequantized weights (no activation rounding): ~1e-6 relative to
+the reference.
 
 Threading: tiles run on a small pool of Python threads, each with OpenBLAS limited to
 one thread *for that thread only* (``openblas_set_num_threads_local``), so that two

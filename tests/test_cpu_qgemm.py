@@ -1,0 +1,132 @@
+"""The CPU backend's integer linears (decode GEMV, prefill GEMM of backends/cpu/qgemm.py)
+against a numpy oracle of their formula, and the invariance a KV-cache hit relies on: a
+row's output is bit-identical whether it is computed alone (M = 1), in a group of 7, or
+with all T rows (T across and off the 32-row / 32-token tiles).
+
+Oracle: per 32-column block ``d = max|x_b| / 16256`` (float32), ``q = rint(x / d)``
+(exact integers), ``y[r] = sum_g sc[r, g] sum_{b in g} d_b (codes_r,b . q_b)
+- sum_g sz[r, g] sum_{b in g} d_b sum(q_b)`` with integer dots exact (int64) and the
+float sums in float64: the kernels' only further error is float32 accumulation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
+from edgeinfer.backends.cpu.gemv import ACT_LEVELS, ActScratch, quantize_act
+from edgeinfer.backends.cpu.qgemm import TILE_BLOCKS, TILE_TOKENS
+from test_cpu_kernels import random_q
+
+CPU = CpuBackend(threads=2)
+CASES = [  # (bits, out, in, group, symmetric)
+    (4, 37, 172, 32, False),    # padded 172 -> 192, a 1-row tail
+    (4, 302, 576, 64, False),   # > one 32-row tile, 2-row tail, parallel GEMV
+    (4, 96, 256, 128, True),
+    (4, 6, 100, -1, True),      # per-channel
+    (8, 131, 576, -1, True),    # per-row 8-bit (head style), -128 codes included
+    (8, 13, 200, 32, True),
+]
+
+
+def _act_oracle(x: np.ndarray, nb: int):
+    """(q int64 [nb, 32], d float32 [nb]) of one row, float32 as the kernel computes."""
+    xb = np.zeros(nb * 32, np.float32)
+    xb[:x.shape[0]] = x
+    xb = xb.reshape(nb, 32)
+    d = (np.abs(xb).max(axis=1) / np.float32(ACT_LEVELS)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[:, None]), -ACT_LEVELS, ACT_LEVELS).astype(np.int64)
+    return q, d
+
+
+def _oracle(qt, h: CpuQuantWeight, x: np.ndarray) -> np.ndarray:
+    nb, k = h.n_blocks, qt.in_features
+    codes = np.zeros((qt.out_features, nb * 32), np.int64)
+    codes[:, :k] = qt.codes()[:, :k] if qt.bits == 4 else qt.qweight[:, :k]
+    sc, sz = h.sc.astype(np.float64), h.sz.astype(np.float64)
+    out = np.empty((x.shape[0], qt.out_features))
+    for t in range(x.shape[0]):
+        q, d = _act_oracle(x[t], nb)
+        idot = np.einsum("rbj,bj->rb", codes.reshape(-1, nb, 32), q)  # exact integers
+        per_b = idot * d.astype(np.float64)
+        y = np.zeros(qt.out_features)
+        for g in range(h.n_groups):
+            m = h.bmap == g
+            y += sc[:, g] * per_b[:, m].sum(axis=1)
+            y -= sz[:, g] * float((d[m].astype(np.float64) * q[m].sum(axis=1)).sum())
+        out[t] = y
+    return out
+
+
+def test_quantize_act_digits_are_the_oracle_integers():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(172) * np.exp(rng.standard_normal(172) * 2)).astype(np.float32)
+    x[40] = 0.0
+    x[64:96] = 0.0  # an all-zero block: zero scale, zero codes
+    nb = 6
+    xq, dx, xg = ActScratch().get(nb, 2)
+    quantize_act(xq, dx, xg, x, np.array([0, 0, 0, 1, 1, 1], np.int32))
+    dig = xq.reshape(nb, 2, 32).astype(np.int64)
+    assert (np.abs(dig[:, 0]) <= 127).all() and (dig[:, 1] >= -64).all() and (dig[:, 1] <= 63).all()
+    q, d = _act_oracle(x, nb)
+    assert np.array_equal(128 * dig[:, 0] + dig[:, 1], q)
+    assert np.array_equal(dx, d) and dx[2] == 0 and not q[2].any()
+    assert np.abs(q).max() == ACT_LEVELS  # the block maxima use the whole range
+    np.testing.assert_allclose(xg, [(d[:3] * q[:3].sum(1)).sum(), (d[3:] * q[3:].sum(1)).sum()],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,sym", CASES)
+def test_kernels_match_the_oracle(bits, out, n_in, group, sym):
+    rng = np.random.default_rng(out + n_in)
+    qt = random_q(rng, out, n_in, bits, group, sym)
+    h = CPU.upload_weight(qt)
+    x = rng.standard_normal((9, n_in)).astype(np.float32)
+    x[3, 5] = 60.0  # an outlier block
+    want = _oracle(qt, h, x)
+    scale = np.abs(want).max()
+    for y in (CPU.linear(x, h), np.concatenate([CPU.linear(x[i:i + 1], h) for i in range(9)])):
+        err = np.abs(y - want).max() / scale
+        assert err < 2e-6, err
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,sym", CASES)
+def test_rows_bit_identical_for_any_m(bits, out, n_in, group, sym):
+    rng = np.random.default_rng(out * 7 + n_in)
+    qt = random_q(rng, out, n_in, bits, group, sym)
+    h = CPU.upload_weight(qt)
+    bias = rng.standard_normal(out).astype(np.float32)
+    for t in (3, 7, TILE_TOKENS - 1, TILE_TOKENS, TILE_TOKENS + 1, 70):
+        x = rng.standard_normal((t, n_in)).astype(np.float32)
+        whole = CPU.linear(x, h, bias)
+        ones = np.concatenate([CPU.linear(x[i:i + 1], h, bias) for i in range(t)])
+        sevens = np.concatenate([CPU.linear(x[i:i + 7], h, bias) for i in range(0, t, 7)])
+        assert np.array_equal(whole, ones) and np.array_equal(whole, sevens), t
+        assert np.abs(whole).max() > 0
+
+
+def test_tiles_cover_every_row_and_token():
+    """More rows than one weight tile with a tail, more tokens than one chunk: every
+    output is written (NaN-filled output would survive otherwise)."""
+    from edgeinfer.backends.cpu.qgemm import gemm_int
+
+    rng = np.random.default_rng(5)
+    out = TILE_BLOCKS * 4 * 3 + 3
+    qt = random_q(rng, out, 128, 4, 32, False)
+    h = CPU.upload_weight(qt)
+    x = rng.standard_normal((2 * TILE_TOKENS + 5, 128)).astype(np.float32)
+    y = gemm_int(x, h, None)
+    assert y.shape == (x.shape[0], out) and np.isfinite(y).all()
+    np.testing.assert_allclose(y, _oracle(qt, h, x), rtol=0, atol=2e-6 * np.abs(y).max())
+
+
+def test_exact_decode_control_differs():
+    """Control: the float-activation path is not bit-identical to the integer path (so
+    the equalities above are not the trivial result of one shared code path)."""
+    rng = np.random.default_rng(2)
+    qt = random_q(rng, 64, 256, 4, 64, False)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    exact = CpuBackend(threads=2, exact_decode=True)
+    a = CPU.linear(x, CPU.upload_weight(qt))
+    b = exact.linear(x, exact.upload_weight(qt))
+    assert not np.array_equal(a, b) and np.abs(a - b).max() < 1e-3 * np.abs(b).max()
