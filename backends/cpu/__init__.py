@@ -26,8 +26,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from . import _numba_cache
 from .threads import start_threads, threading_info
 
+# before any kernel module is imported: its dispatchers pick their cache locator when
+# decorated (see ._numba_cache: the cache key covers every kernel file)
+_numba_cache.install()
 # before any kernel can start the threading layer (see .threads: the wait policy is read
 # once, when the OpenMP runtime loads)
 start_threads()

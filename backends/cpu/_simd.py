@@ -28,9 +28,9 @@ The kernels compute, for each of R rows starting at ``r0``:
 (no zero-point term; the caller subtracts it; ``bmap`` must be non-decreasing). Only emitted when the host has AVX2 (:data:`HAVE_AVX2`);
 otherwise :mod:`.gemv` uses a portable Numba loop with the same result.
 
-Caching caveat: Numba's on-disk cache of a caller (e.g. ``gemv_q4``) is keyed on the
-caller's own source file, not on this one; after editing the IR here, delete
-``backends/cpu/__pycache__/*.nbi`` / ``*.nbc``.
+Caching: a caller's on-disk Numba cache entry (e.g. ``gemv_q4``'s) holds this IR's
+machine code; :mod:`._numba_cache` keys every kernel's entry on all files of this
+directory, so an edit here recompiles the callers.
 """
 from __future__ import annotations
 
