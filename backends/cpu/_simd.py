@@ -1,26 +1,28 @@
 """SIMD integer-dot row kernels emitted as LLVM IR (llvmlite) and called from Numba.
 
 Why IR and not plain Numba loops: a Numba loop over nibbles widens ``uint8 & 15`` to
-int64, reduces horizontally once per group and converts per element. Here one 32-byte load yields 64 4-bit codes in lane order;
-activations are 15-bit integers ``q = 128 hi + lo`` held as two int8 digit vectors per
-block (:func:`.gemv.quantize_act`): ``pmaddubsw`` (u8 x s8 -> pairwise s16) on each
-digit, ``pmaddwd`` (s16 x 128 and s16 x 1 -> s32) and one add form 8 partial exact
-integer dot products per 32-element block (llama.cpp's AVX2 ``Q4_0 x Q8_0`` recipe run
-on both digits),
-one float FMA per block applies the activation scale ``dx_b`` to a per-group accumulator,
-and one FMA per group applies the weight scale (so a g128 row costs one scale load per
-4 blocks, not per block). The 8-float accumulators of R rows stay in registers across the
-whole row; the horizontal sum happens once per row.
+int64, reduces horizontally once per group and converts per element. Here one 32-byte
+load yields 64 4-bit codes; activations are 15-bit integers ``q`` in
+``[-ACT_LEVELS, ACT_LEVELS]`` stored as int16 per 32-column block in the
+:data:`ACT_ORDER` lane order (:func:`.gemv.quantize_act`); the codes are widened to int16
+by in-lane byte unpacks (``vpunpcklbw`` / ``vpunpckhbw``, whose lane order
+:data:`ACT_ORDER` matches) and ``pmaddwd`` (s16 x s16 -> pairwise s32) twice plus one add
+form 8 partial exact integer dot products per block (``|code * q| <= 128 * 16256``, 32
+terms: far inside int32); one float FMA per block applies the activation scale
+``dx_b`` to a per-group accumulator, and one FMA per group applies the weight scale (so
+a g128 row costs one scale load per 4 blocks, not per block). The 8-float accumulators
+of R rows stay in registers across the whole row; the horizontal sum happens once per
+row. The 4-bit loop walks one 64-column chunk (two blocks) at a time, row by row, so a
+row's widened codes are dead before the next row's load.
 
 Layouts consumed (built by :mod:`.repack`):
 
 * 4-bit: ``wp`` uint8 ``[rows, nb * 16]``; 32-byte chunk ``c`` holds block ``2c`` in the
   low nibbles and block ``2c + 1`` in the high nibbles, each in natural column order.
-* 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored (symmetric); the dot uses
-  ``pmaddubsw(|w|, sign(x, w))``.
+* 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored, sign-extended to int16.
 
-Activations: ``xq`` int8 ``[nb * 64]`` (block ``b``: hi digits at ``64 b``, lo digits at
-``64 b + 32``) and ``dx`` float32 ``[nb]`` (per-block scale).
+Activations: ``xq`` int16 ``[nb * 32]`` (block ``b`` at ``32 b``, column ``j`` at lane
+``ACT_ORDER[j]``) and ``dx`` float32 ``[nb]`` (per-block scale).
 Scales: ``sc`` float32 ``[rows, ng]``; ``bmap`` int32 ``[nb]`` maps block -> group.
 
 The kernels compute, for each of R rows starting at ``r0``:
@@ -45,7 +47,7 @@ try:
     _FEATURES = dict(llb.get_host_cpu_features())
 except RuntimeError:  # LLVM cannot list features on some hosts: use the portable kernels
     _FEATURES = {}
-#: True when the host CPU supports AVX2 (``vpmaddubsw``/``vpmaddwd`` on 256-bit vectors).
+#: True when the host CPU supports AVX2 (``vpmaddwd`` and byte unpacks on 256-bit vectors).
 HAVE_AVX2 = bool(_FEATURES.get("avx2", False))
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -53,6 +55,15 @@ _V32I8 = ir.VectorType(_I8, 32)
 _V16I16 = ir.VectorType(_I16, 16)
 _V8I32 = ir.VectorType(_I32, 8)
 _V8F32 = ir.VectorType(_F32, 8)
+
+#: Lane of column ``j`` of a 32-column block in the int16 activation vector: columns
+#: 0-7 and 16-23 fill lanes 0-15 (what ``vpunpcklbw`` widens), 8-15 and 24-31 lanes
+#: 16-31 (``vpunpckhbw``).
+ACT_ORDER = np.array([(j & 7) | ((j >> 4) << 3) | (((j >> 3) & 1) << 4) for j in range(32)],
+                     np.int64)
+# byte shuffles equal to the in-lane unpacks of (v, other): lo = bytes 0-7, 16-23
+_UNPACK_LO = [i for k in (0, 16) for j in range(8) for i in (k + j, 32 + k + j)]
+_UNPACK_HI = [i for k in (8, 24) for j in range(8) for i in (k + j, 32 + k + j)]
 
 
 def _declare(module, name, ret, args):
@@ -81,7 +92,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
     """Build an intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` rows.
 
     ``y`` float32 [rows] (written at r0..r0+n_rows-1), ``r0`` int64 first row, ``wp``
-    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int8 [nb*64], ``dx``
+    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int16 [nb*32], ``dx``
     float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for 4 bits).
     """
 
@@ -102,16 +113,15 @@ def _make_rows_kernel(n_rows: int, bits: int):
             wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]  # bytes per packed row
             srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]    # groups per row
             mod = builder.module
-            pmaddubsw = _declare(mod, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
             pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
             fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
-            ones16 = ir.Constant(_V16I16, [1] * 16)
-            c128 = ir.Constant(_V16I16, [128] * 16)
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
-            xbase = builder.bitcast(a_xq.data, _I8.as_pointer())
-            accs, gaccs = [], []
-            wrows, srows = [], []
+            xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
+            zero32 = ir.Constant(_V32I8, [0] * 32)
+            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+            accs, gaccs, wrows, srows = [], [], [], []
             for r in range(n_rows):
                 acc = cgutils.alloca_once(builder, _V8F32)
                 builder.store(zero8, acc)
@@ -125,75 +135,78 @@ def _make_rows_kernel(n_rows: int, bits: int):
             cur_g = cgutils.alloca_once(builder, i64)  # group of the blocks in gaccs
             builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
 
-            def flush():
-                # acc_r += gacc_r * sc[r, cur_g]; gacc_r = 0 (once per group and row)
-                g = builder.load(cur_g)
-                for r in range(n_rows):
-                    f = _splat_f32(builder, builder.load(_gep(builder, srows[r], g)))
-                    builder.store(builder.call(fmuladd, [builder.load(gaccs[r]), f,
-                                                         builder.load(accs[r])]), accs[r])
-                    builder.store(zero8, gaccs[r])
+            def flush_row(r, g):  # acc_r += gacc_r * sc[r, g]; gacc_r = 0
+                f = _splat_f32(builder, builder.load(_gep(builder, srows[r], g)))
+                builder.store(builder.call(fmuladd, [builder.load(gaccs[r]), f,
+                                                     builder.load(accs[r])]), accs[r])
+                builder.store(zero8, gaccs[r])
 
-            def block(bidx, codes_per_row, signs=None):
-                # one 32-element block for every row: gacc_r += cvt(idot_r) * dx_b with
-                # idot = 128 * (codes . hi) + codes . lo (exact in int32); the group scale
-                # is applied once per group in flush()
-                xoff = builder.mul(bidx, ir.Constant(i64, 64))
-                xh0 = builder.load(builder.bitcast(_gep(builder, xbase, xoff),
-                                                   _V32I8.as_pointer()), align=1)
-                xl0 = builder.load(builder.bitcast(_gep(builder, xbase, builder.add(
-                    xoff, ir.Constant(i64, 32))), _V32I8.as_pointer()), align=1)
-                g = builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+            def enter_group(g):  # flush every row when block group g starts a new group
                 with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
                                      likely=False):
-                    flush()
+                    old = builder.load(cur_g)
+                    for r in range(n_rows):
+                        flush_row(r, old)
                     builder.store(g, cur_g)
+
+            def act(bidx):  # the block's two <16 x i16> activation halves, and dx_b splat
+                xoff = builder.mul(bidx, ir.Constant(i64, 32))
+                xa = builder.load(builder.bitcast(_gep(builder, xbase, xoff),
+                                                  _V16I16.as_pointer()), align=2)
+                xb = builder.load(builder.bitcast(_gep(builder, xbase, builder.add(
+                    xoff, ir.Constant(i64, 16))), _V16I16.as_pointer()), align=2)
                 f = _splat_f32(builder, builder.load(_gep(builder, a_dx.data, bidx)))
-                for r in range(n_rows):
-                    xh, xl = xh0, xl0
-                    if signs is not None:
-                        xh = builder.call(psign, [xh0, signs[r]])
-                        xl = builder.call(psign, [xl0, signs[r]])
-                    ph = builder.call(pmaddubsw, [codes_per_row[r], xh])
-                    pl = builder.call(pmaddubsw, [codes_per_row[r], xl])
-                    p32 = builder.add(builder.call(pmaddwd, [ph, c128]),
-                                      builder.call(pmaddwd, [pl, ones16]))
-                    pf = builder.sitofp(p32, _V8F32)
-                    builder.store(builder.call(fmuladd, [pf, f, builder.load(gaccs[r])]),
-                                  gaccs[r])
+                return xa, xb, f
+
+            def dot_into(r, wa, wb, x):  # gacc_r += cvt(wa . xa + wb . xb) * dx_b
+                xa, xb, f = x
+                p32 = builder.add(builder.call(pmaddwd, [wa, xa]),
+                                  builder.call(pmaddwd, [wb, xb]))
+                builder.store(builder.call(fmuladd, [builder.sitofp(p32, _V8F32), f,
+                                                     builder.load(gaccs[r])]), gaccs[r])
+
+            def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
+                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
+
+            def group_of(bidx):
+                return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
 
             if bits == 4:
                 n_chunks = builder.udiv(nbv, ir.Constant(i64, 2))
-                mask = ir.Constant(_V32I8, [15] * 32)
-                four = ir.Constant(_V32I8, [4] * 32)
+                m15 = ir.Constant(_V16I16, [15] * 16)
+                four = ir.Constant(_V16I16, [4] * 16)
                 with cgutils.for_range(builder, n_chunks) as loop:
                     c = loop.index
                     off = builder.mul(c, ir.Constant(i64, 32))
-                    los, his = [], []
+                    b0 = builder.mul(c, ir.Constant(i64, 2))
+                    b1 = builder.add(b0, ir.Constant(i64, 1))
+                    x0, x1 = act(b0), act(b1)
+                    g0, g1 = group_of(b0), group_of(b1)
+                    enter_group(g0)
+                    split = builder.icmp_signed("!=", g1, g0)  # g32: the blocks' groups differ
                     for r in range(n_rows):
                         wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
                                                           _V32I8.as_pointer()), align=1)
-                        los.append(builder.and_(wv, mask))
-                        his.append(builder.lshr(wv, four))
-                    b0 = builder.mul(c, ir.Constant(i64, 2))
-                    block(b0, los)
-                    block(builder.add(b0, ir.Constant(i64, 1)), his)
+                        ua, ub = widen(wv, lo_idx, zero32), widen(wv, hi_idx, zero32)
+                        dot_into(r, builder.and_(ua, m15), builder.and_(ub, m15), x0)
+                        with builder.if_then(split, likely=False):
+                            flush_row(r, g0)
+                        dot_into(r, builder.lshr(ua, four), builder.lshr(ub, four), x1)
+                    builder.store(g1, cur_g)
             else:
-                # s8 x s8 through u8 x s8: |w| . sign(x, w) (llama.cpp's Q8_0 AVX2 trick);
-                # |w| <= 128 and |digit| <= 127 keep pmaddubsw's s16 pair sums from
-                # saturating (2 * 128 * 127 = 32512).
-                absf = _declare(mod, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
-                psign = _declare(mod, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
                 with cgutils.for_range(builder, nbv) as loop:
                     b = loop.index
                     off = builder.mul(b, ir.Constant(i64, 32))
-                    ws = [builder.load(builder.bitcast(_gep(builder, wrows[r], off),
-                                                       _V32I8.as_pointer()), align=1)
-                          for r in range(n_rows)]
-                    block(b, [builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)]) for w in ws],
-                          signs=ws)
-            flush()
+                    x = act(b)
+                    enter_group(group_of(b))
+                    for r in range(n_rows):
+                        wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                          _V32I8.as_pointer()), align=1)
+                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
+                        dot_into(r, widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), x)
+            g = builder.load(cur_g)
             for r in range(n_rows):
+                flush_row(r, g)
                 tot = _hsum8(builder, builder.load(accs[r]))
                 dst = _gep(builder, a_y.data, builder.add(r0v, ir.Constant(i64, r)))
                 builder.store(tot, dst)
@@ -214,17 +227,14 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
                 acc += gacc * sc[r, bmap[b - 1]]
                 gacc = np.float32(0.0)
             s = np.int32(0)
-            if bits == 4:
-                c = b // 2
-                sh = np.int32(4 * (b % 2))
-                for j in range(32):
-                    code = (np.int32(wp[r, c * 32 + j]) >> sh) & np.int32(15)
-                    s += code * (np.int32(128) * np.int32(xq[b * 64 + j])
-                                 + np.int32(xq[b * 64 + 32 + j]))
-            else:  # wp is int8 here
-                for j in range(32):
-                    s += np.int32(wp[r, b * 32 + j]) * (np.int32(128) * np.int32(xq[b * 64 + j])
-                                                        + np.int32(xq[b * 64 + 32 + j]))
+            for j in range(32):
+                q = np.int32(xq[b * 32 + ((j & 7) | ((j >> 4) << 3) | (((j >> 3) & 1) << 4))])
+                if bits == 4:
+                    sh = np.int32(4 * (b % 2))
+                    code = (np.int32(wp[r, (b // 2) * 32 + j]) >> sh) & np.int32(15)
+                else:  # wp is int8 here
+                    code = np.int32(wp[r, b * 32 + j])
+                s += code * q
             gacc += dx[b] * np.float32(s)
         y[r] = acc + gacc * sc[r, bmap[nb - 1]]
 

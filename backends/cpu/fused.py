@@ -8,7 +8,7 @@ small ops per layer, whose Python dispatch would be a large share of the step):
 * :func:`out_mlp` — ``x1 = x + Wo @ a``; ``h = rmsnorm(x1)``; ``g, u = Wgu @ h``;
   ``m = act(g) * u``; ``x_out = x1 + Wd @ m``.
 
-Each GEMV is the one of :mod:`.gemv` (int8 activations per 32-block, integer dots, 4-row
+Each GEMV is the one of :mod:`.gemv` (15-bit activations per 32-block, integer dots, 4-row
 blocks in ``prange``), and the norm, RoPE and GLU are the row kernels of :mod:`.elementwise`, so a
 decode step computes bit for bit what a prefill computes for the same token.
 

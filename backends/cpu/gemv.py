@@ -3,13 +3,13 @@
 Per call (one Numba dispatch, one parallel region):
 
 1. quantize ``x`` per 32-column block to integers ``q`` in ``[-16256, 16256]``,
-   ``dx[b] = max|x_b| / 16256``, each stored as two int8 digits ``q = 128 hi + lo``
+   ``dx[b] = max|x_b| / 16256``, stored as int16 in the row kernels' lane order
    (:func:`quantize_act`), and accumulate per group ``X[g] = sum_{b in g} dx[b] * sum(q_b)``;
 2. for blocks of 4 rows in ``prange`` (serially for weights <= ``SERIAL_MAX_BYTES``):
    the SIMD row kernel of :mod:`._simd` computes
    ``sum_g sc[r, g] * sum_{b in g} dx[b] * (codes_r,b . q_b)``, each block's integer dot
-   exact in int32 (``128 * (codes . hi) + codes . lo``), registers accumulating across
-   all groups;
+   exact in int32 (``pmaddwd`` on int16 codes and activations), registers accumulating
+   across all groups;
 3. subtract the zero-point term ``sum_g sz[r, g] * X[g]`` and add the bias
    (:func:`_finish_rows`, strict float32).
 
@@ -23,14 +23,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import q4_rows1, q4_rows4, q8_rows1, q8_rows4
+from ._simd import ACT_ORDER, q4_rows1, q4_rows4, q8_rows1, q8_rows4
 
 BLOCK = 32
-#: Activation integer range per block: q in [-ACT_LEVELS, ACT_LEVELS], 127 * 128 so that
-#: q = 128 * hi + lo splits into two int8 digits for ``pmaddubsw``.
+#: Activation integer range per block: q in [-ACT_LEVELS, ACT_LEVELS] (15 bits).
 ACT_LEVELS = 127 * 128
-#: int8 digits of quantized activations per 32-column block (hi, lo).
-XQ_PER_BLOCK = 2 * BLOCK
+#: int16 entries of quantized activations per 32-column block.
+XQ_PER_BLOCK = BLOCK
+#: dtype of the quantized activations.
+XQ_DTYPE = np.int16
 #: Weights up to this many packed bytes run on one thread: a parallel region costs ~3 us
 #: of fork/join on 2 quiet cores (one core streams ~30 KB meanwhile), far more under
 #: load. 256 KiB keeps SmolLM2's 0.5 MB MLP weights and all of Qwen-0.5B's MLP parallel
@@ -39,15 +40,15 @@ SERIAL_MAX_BYTES = 256 * 1024
 
 
 @njit(cache=True, fastmath=False)
-def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*64] i8, dx[nb] f32, xg[ng] f32
-    """Quantize activations per 32-column block to integers of 15 bits, stored as two
-    int8 digits, and sum them per group.
+def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32, xg[ng] f32
+    """Quantize activations per 32-column block to integers of 15 bits and sum them per
+    group.
 
     Block ``b``: ``dx[b] = max|x_b| / ACT_LEVELS``, ``q = rint(x / dx[b])`` in
-    ``[-ACT_LEVELS, ACT_LEVELS]``, ``q = 128 * hi + lo`` with ``hi`` in [-127, 127] at
-    ``xq[64 b : 64 b + 32]`` and ``lo`` in [-64, 63] at ``xq[64 b + 32 : 64 b + 64]``;
-    ``xg[g] = sum_{b in g} dx[b] * sum(q_b)``. ``x`` may be shorter than ``nb * 32``; the
-    tail is zero. Strict float32: every caller quantizes a row alike.
+    ``[-ACT_LEVELS, ACT_LEVELS]``, column ``j`` stored at ``xq[32 b + ACT_ORDER[j]]``
+    (the row kernels' lane order); ``xg[g] = sum_{b in g} dx[b] * sum(q_b)``. ``x`` may be
+    shorter than ``nb * 32``; the tail is zero. Strict float32: every caller quantizes a
+    row alike.
     """
     k = x.shape[0]
     nb = dx.shape[0]
@@ -69,9 +70,7 @@ def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*64] i8, dx[nb] f32, 
             q = 0
             if i < k:
                 q = min(max(int(np.rint(x[i] * inv)), -lim), lim)
-            hi = (q + 64) >> 7
-            xq[2 * base + j] = hi
-            xq[2 * base + BLOCK + j] = q - (hi << 7)
+            xq[base + ACT_ORDER[j]] = q
             s += q
         dx[b] = d
         xg[bmap[b]] += d * np.float32(s)
@@ -123,7 +122,7 @@ def gemv_q4_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W4[out, in] @ x
 
 @njit(parallel=True, cache=True, fastmath=True)
 def gemv_q8(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W8[out, in] @ x[in] (+ b) -> y[out]
-    """8-bit GEMV (int8 codes, |w| . sign(x, w) dots), row blocks across threads."""
+    """8-bit GEMV (int8 codes widened to int16, integer dots), row blocks across threads."""
     quantize_act(xq, dx, xg, x, bmap)
     out = y.shape[0]
     nblk = out // 4
@@ -164,11 +163,12 @@ class ActScratch:
         self._bufs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def get(self, nb: int, ng: int):
-        """(xq int8 [nb*64], dx float32 [nb], xg float32 [ng])."""
+        """(xq int16 [nb*32], dx float32 [nb], xg float32 [ng])."""
         key = (nb, ng)
         b = self._bufs.get(key)
         if b is None:
-            b = (np.zeros(nb * XQ_PER_BLOCK, np.int8), np.zeros(nb, np.float32), np.zeros(ng, np.float32))
+            b = (np.zeros(nb * XQ_PER_BLOCK, XQ_DTYPE), np.zeros(nb, np.float32),
+                 np.zeros(ng, np.float32))
             self._bufs[key] = b
         return b
 

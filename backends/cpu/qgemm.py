@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .gemv import XQ_PER_BLOCK, _q4_block, _q8_block, quantize_act
+from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _q4_block, _q8_block, quantize_act
 from .repack import CpuQuantWeight
 
 #: 4-row blocks per weight tile (32 rows).
@@ -63,12 +63,12 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
         bias: float32 [out] or None.
 
     Returns:
-        float32 [T, out] (new array); the scratch (int8 [T, nb * 64] activation digits and
+        float32 [T, out] (new array); the scratch (int16 [T, nb * 32] activations and
         their scales) lives for the call.
     """
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
-    xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), np.int8)
+    xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
     _gemm_int(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
