@@ -13,7 +13,10 @@ terms: far inside int32); one float FMA per block applies the activation scale
 a g128 row costs one scale load per 4 blocks, not per block). The 8-float accumulators
 of R rows stay in registers across the whole row; the horizontal sum happens once per
 row. The 4-bit loop walks one 64-column chunk (two blocks) at a time, row by row, so a
-row's widened codes are dead before the next row's load.
+row's widened codes are dead before the next row's load. Each load also prefetches the
+same offset of the next R-row block (``llvm.prefetch``): a decode GEMV's rows are
+short streams (a few hundred bytes each, R interleaved), which the hardware prefetchers
+pick up late; the next block is what this thread reads next.
 
 Layouts consumed (built by :mod:`.repack`):
 
@@ -115,8 +118,11 @@ def _make_rows_kernel(n_rows: int, bits: int):
             mod = builder.module
             pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
             fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+            prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
+                                [_I8.as_pointer(), _I32, _I32, _I32])
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
             xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
+            ahead = builder.mul(wrow, ir.Constant(i64, n_rows))  # the next row block's bytes
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
             zero32 = ir.Constant(_V32I8, [0] * 32)
             lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
@@ -165,6 +171,11 @@ def _make_rows_kernel(n_rows: int, bits: int):
                 builder.store(builder.call(fmuladd, [builder.sitofp(p32, _V8F32), f,
                                                      builder.load(gaccs[r])]), gaccs[r])
 
+            def fetch_next(r, off):  # prefetch this offset in row r + n_rows (never faults)
+                builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                        ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                        ir.Constant(_I32, 1)])
+
             def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
                 return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
 
@@ -187,6 +198,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                     for r in range(n_rows):
                         wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
                                                           _V32I8.as_pointer()), align=1)
+                        fetch_next(r, off)
                         ua, ub = widen(wv, lo_idx, zero32), widen(wv, hi_idx, zero32)
                         dot_into(r, builder.and_(ua, m15), builder.and_(ub, m15), x0)
                         with builder.if_then(split, likely=False):
@@ -202,6 +214,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                     for r in range(n_rows):
                         wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
                                                           _V32I8.as_pointer()), align=1)
+                        fetch_next(r, off)
                         sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
                         dot_into(r, widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), x)
             g = builder.load(cur_g)
