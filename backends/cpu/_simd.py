@@ -64,6 +64,8 @@ _V8F32 = ir.VectorType(_F32, 8)
 #: 16-31 (``vpunpckhbw``).
 ACT_ORDER = np.array([(j & 7) | ((j >> 4) << 3) | (((j >> 3) & 1) << 4) for j in range(32)],
                      np.int64)
+#: Row blocks ahead that each weight load prefetches (the same offset, R rows per block).
+PREFETCH_BLOCKS = 1
 # byte shuffles equal to the in-lane unpacks of (v, other): lo = bytes 0-7, 16-23
 _UNPACK_LO = [i for k in (0, 16) for j in range(8) for i in (k + j, 32 + k + j)]
 _UNPACK_HI = [i for k in (8, 24) for j in range(8) for i in (k + j, 32 + k + j)]
@@ -122,7 +124,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                                 [_I8.as_pointer(), _I32, _I32, _I32])
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
             xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
-            ahead = builder.mul(wrow, ir.Constant(i64, n_rows))  # the next row block's bytes
+            ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
             zero32 = ir.Constant(_V32I8, [0] * 32)
             lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
@@ -171,7 +173,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                 builder.store(builder.call(fmuladd, [builder.sitofp(p32, _V8F32), f,
                                                      builder.load(gaccs[r])]), gaccs[r])
 
-            def fetch_next(r, off):  # prefetch this offset in row r + n_rows (never faults)
+            def fetch_next(r, off):  # prefetch off in row r + R * PREFETCH_BLOCKS (never faults)
                 builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
                                         ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                         ir.Constant(_I32, 1)])
