@@ -415,13 +415,21 @@ class Int4KVCache(HostKVCache):
     """int4 KV cache: K and V per (token, head, group of G) asymmetric with f16 scale and
     minimum; K first shifted and scaled per channel (``(k - m) / c``, fixed by the write
     at position 0, :func:`k_channel_stats`) and Hadamard-rotated; two codes per byte, low
-    nibble first. Formulas in :mod:`.kvformat`."""
+    nibble first. Formulas in :mod:`.kvformat`.
+
+    The statistics come from the first ``KSTAT_POSITIONS`` rows of that write (fewer if
+    it was shorter), so :meth:`trim` keeps a prefix only where a fresh write of any
+    sequence starting with it gets the same statistics: the statistics came from
+    ``KSTAT_POSITIONS`` rows and the prefix holds them all. Otherwise it resets (the
+    engine then recomputes the prompt), so a cache hit never changes the output.
+    """
 
     rotate_k = True
     _FIXED = ("k_off", "k_cs")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.stat_rows = 0  # rows the K statistics came from (0: none yet)
         for a in self._layer:  # until a write at position 0: m = 0, c = 1
             a["k_off"] = np.zeros((self.n_kv_heads, self.head_dim), np.float32)  # m [Hkv, hd]
             a["k_cs"] = np.ones((self.n_kv_heads, self.head_dim), np.float32)    # c [Hkv, hd]
@@ -442,7 +450,15 @@ class Int4KVCache(HostKVCache):
         a = self._layer[layer]
         if start_pos == 0 and k.shape[0] > 0:
             a["k_off"][...], a["k_cs"][...] = k_channel_stats(k[:KSTAT_POSITIONS])
+            self.stat_rows = min(KSTAT_POSITIONS, k.shape[0])
         return (k - a["k_off"]) / a["k_cs"]
+
+    def trim(self, n: int) -> None:
+        """As :meth:`HostKVCache.trim`; resets unless the first ``n`` positions hold all
+        ``KSTAT_POSITIONS`` rows the K statistics came from (see the class)."""
+        super().trim(n)
+        if self.length and (self.stat_rows < KSTAT_POSITIONS or self.length < KSTAT_POSITIONS):
+            self.reset()
 
     def _store(self, a, idx, k, v):
         g = self.group_size

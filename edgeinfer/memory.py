@@ -232,3 +232,36 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"requested context  {plan.n_ctx} tokens: "
                      + ("fits" if plan.fits else "does NOT fit; lower --ctx or raise --max-memory"))
     return "\n".join(lines)
+
+
+def available_memory_mb() -> float | None:
+    """The memory the OS can give without swapping now (Linux ``MemAvailable``), MiB;
+    None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_parallel(cfg, weight_bytes: int, kv_dtype: str, prefill_chunk: int,
+                     n_ctx: int | None = None, max_memory_mb: float | None = None,
+                     cap: int = 4) -> int:
+    """The server's default ``--parallel``: min(``cap``, the sequences of the context
+    (:func:`context_length` of ``n_ctx``) that fit in ``max_memory_mb``, else in the memory
+    available now), at least 1."""
+    budget = max_memory_mb
+    if budget is None:
+        avail = available_memory_mb()
+        if avail is None:
+            return 1
+        budget = avail
+    n = context_length(cfg.max_position_embeddings, n_ctx)
+    try:
+        plan = plan_memory(cfg, weight_bytes, budget, kv_dtype, prefill_chunk)
+    except MemoryBudgetError:
+        return 1
+    return max(1, min(int(cap), parallel_sequences(plan, n)))
