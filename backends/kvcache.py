@@ -418,10 +418,9 @@ class Int4KVCache(HostKVCache):
     nibble first. Formulas in :mod:`.kvformat`.
 
     The statistics come from the first ``KSTAT_POSITIONS`` rows of that write (fewer if
-    it was shorter), so :meth:`trim` keeps a prefix only where a fresh write of any
-    sequence starting with it gets the same statistics: the statistics came from
-    ``KSTAT_POSITIONS`` rows and the prefix holds them all. Otherwise it resets (the
-    engine then recomputes the prompt), so a cache hit never changes the output.
+    it was shorter: ``stat_rows``), so a kept prefix equals a fresh write of a longer
+    sequence only if it holds those rows and the fresh write would take as many
+    (:meth:`edgeinfer.engine.Engine.prefill` checks this before reusing a prefix).
     """
 
     rotate_k = True
@@ -452,13 +451,6 @@ class Int4KVCache(HostKVCache):
             a["k_off"][...], a["k_cs"][...] = k_channel_stats(k[:KSTAT_POSITIONS])
             self.stat_rows = min(KSTAT_POSITIONS, k.shape[0])
         return (k - a["k_off"]) / a["k_cs"]
-
-    def trim(self, n: int) -> None:
-        """As :meth:`HostKVCache.trim`; resets unless the first ``n`` positions hold all
-        ``KSTAT_POSITIONS`` rows the K statistics came from (see the class)."""
-        super().trim(n)
-        if self.length and (self.stat_rows < KSTAT_POSITIONS or self.length < KSTAT_POSITIONS):
-            self.reset()
 
     def _store(self, a, idx, k, v):
         g = self.group_size

@@ -179,9 +179,10 @@ class Model:
         #: the slots of continuous batching (parallel > 1), else None
         self.pool = None
         if parallel > 1:
-            from .batching import SlotPool
+            from .batching import SlotPool, scheduler_chunk
             self.pool = SlotPool(self.transformer, self.tokenizer, int(parallel), n_ctx,
-                                 kv_dtype, first_cache=self.engine.cache)
+                                 kv_dtype, scheduler_chunk(self.transformer, prefill_chunk),
+                                 first_cache=self.engine.cache)
             self.engine = self.pool.engine(0)  # slot 0: its forwards go through the scheduler
         #: True when the CPU backend's Numba kernels are not compiled yet (a fresh
         #: install): the first generation then compiles them (15-45 s on 2 cores, once;

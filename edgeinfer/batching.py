@@ -17,7 +17,12 @@ and wait for their result. So sampling (a seeded RNG per request), stop conditio
 constrained output, cancellation and streaming are exactly :meth:`Engine.stream`'s, per
 request, and a request's tokens do not depend on what else runs: the logits of a row of
 a batched step are bit-identical to that sequence's step alone, and a prefill chunk's
-logits do not depend on the chunk size (tests/test_cache_invariance.py).
+logits do not depend on the chunk size (tests/test_cache_invariance.py) where every
+linear is quantized. Dense float32 linears (an HF folder's weights; a GGUF tensor type
+without a native kernel, e.g. some of Qwen2.5-Coder's and Gemma 3's ``down_proj``) run a
+BLAS GEMM whose rows change by ulps with the chunk's rows (about 5e-6 on stories260K),
+so there a sequence is chunked as alone (:func:`scheduler_chunk`), and a prefix-cache
+hit can still differ from a cold prefill by that much, with or without batching.
 
 KV memory: fixed slots, one preallocated cache of the full context per slot (the
 memory plan, :func:`edgeinfer.memory.plan_memory`, counts them). Paged blocks
@@ -47,6 +52,18 @@ from .engine import Engine, common_prefix_len
 DEFAULT_CHUNK = 128
 #: seconds a step waits for every running sequence to ask for its next token
 GATHER_S = 0.002
+
+
+def scheduler_chunk(transformer, prefill_chunk: int) -> int:
+    """Prefill tokens per scheduler step: ``min(prefill_chunk, DEFAULT_CHUNK)`` when every
+    linear is quantized (the CPU backend's integer kernels give a row the same bits
+    whatever the chunk), else ``prefill_chunk`` itself: dense float32 linears run a BLAS
+    GEMM whose rows depend on M, so a sequence is chunked as it would be alone."""
+    from .models.families import LINEAR_KEYS
+
+    dense = isinstance(transformer.lm_head, np.ndarray) or any(
+        isinstance(lw.get(k), np.ndarray) for lw in transformer.layers for k in LINEAR_KEYS)
+    return int(prefill_chunk) if dense else min(int(prefill_chunk), DEFAULT_CHUNK)
 
 
 class _Work:

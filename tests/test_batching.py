@@ -82,6 +82,16 @@ def stories(stories_dir):
 
 
 @pytest.fixture(scope="module")
+def stories_q(stories_dir, tmp_path_factory):
+    """stories260K RTN INT4: every linear quantized (prefill rows independent of M)."""
+    from edgeinfer.quant.convert import convert
+
+    out = tmp_path_factory.mktemp("eif") / "stories.eif"
+    convert(str(stories_dir), str(out), method="rtn", group_size=32, progress=False)
+    return read_model(str(out))
+
+
+@pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     return read_model(str(smollm2_gguf))
 
@@ -136,3 +146,46 @@ def test_forward_batch_refuses_a_cache_twice_and_a_full_cache(stories):
     with pytest.raises(ValueError, match="does not fit"):
         tr.forward_batch(np.array([1, 2], np.int32), [c, full])
     assert c.length == 7 and full.length == 8  # nothing written on refusal
+
+
+def test_int4_prefix_reuse_never_changes_logits(stories_q):
+    """int4 KV fixes its K statistics from the first write's first 32 rows: a prefix is
+    reused only where a fresh prefill takes its statistics from the same rows (else it is
+    recomputed), so a cache hit gives the logits of a cold prefill (quantized linears;
+    dense float32 ones differ by ulps whatever the KV, see edgeinfer.batching)."""
+    from edgeinfer import api
+
+    m = api.Model(stories_q, backend="cpu", n_ctx=256, kv_dtype="int4", threads=2)
+    e = m.engine
+    rng = np.random.default_rng(3)
+    p = [1] + [int(t) for t in rng.integers(3, 500, 59)]
+
+    def cold(ids):
+        e.reset()
+        return e.prefill(ids)[0].copy()
+
+    cases = [(p[:3] + [7] * 50, p[:9], 0),      # stats from another sequence's rows: no reuse
+             (p[:5], p[:20], 0),                # stats from 5 rows, a fresh one takes 20
+             (p[:40] + [9] * 5, p, 40)]         # the 32 rows are the prompt's own: reused
+    for before, ids, reused in cases:
+        want = cold(ids)
+        e.reset()
+        e.prefill(before)
+        got, n = e.prefill(ids)
+        assert n == reused
+        assert np.array_equal(got, want), (before[:3], len(ids), n)
+    # control: had the first case kept its 3 tokens, the logits would differ
+    e.reset()
+    e.prefill(cases[0][0])
+    e.cache.trim(3)
+    e.cached_ids = e.cached_ids[:3]
+    lg = m.transformer.forward(np.asarray(p[3:9], np.int32), e.cache)[-1]
+    assert not np.array_equal(lg, cold(p[:9]))
+
+
+def test_scheduler_chunk_small_only_where_rows_do_not_depend_on_m(stories, smollm2):
+    from edgeinfer.batching import DEFAULT_CHUNK, scheduler_chunk
+
+    assert scheduler_chunk(_transformer(smollm2), 512) == DEFAULT_CHUNK  # all quantized
+    assert scheduler_chunk(_transformer(stories), 512) == 512  # dense float32 (HF folder)
+    assert scheduler_chunk(_transformer(smollm2), 64) == 64

@@ -4,7 +4,9 @@ with requests of different prompt lengths joining at different times (one prompt
 than a prefill chunk, so its prefill is interleaved with the running decodes); one of
 several cancelled; chat sessions on several threads; one copy of the weights.
 
-Positive control: the scheduler really ran batched decode steps (``max_batch``).
+Positive control: the scheduler really ran batched decode steps (``max_batch``). The
+models' linears are all quantized (stories260K RTN INT4, the SmolLM2 GGUF), where a row's
+bits do not depend on the chunk; see edgeinfer.batching for dense float32 linears.
 """
 from __future__ import annotations
 
@@ -78,8 +80,14 @@ def run_joined(model, jobs, join_after=3, cancel_job=None, cancel_after=4):
 
 
 @pytest.fixture(scope="module")
-def stories(stories_dir):
-    return read_model(str(stories_dir))
+def stories(stories_dir, tmp_path_factory):
+    """stories260K as RTN INT4 (every linear quantized: the integer kernels give a row
+    the same bits whatever the chunk; dense float32 linears do not, see batching)."""
+    from edgeinfer.quant.convert import convert
+
+    out = tmp_path_factory.mktemp("eif") / "stories.eif"
+    convert(str(stories_dir), str(out), method="rtn", group_size=32, progress=False)
+    return read_model(str(out))
 
 
 @pytest.fixture(scope="module")
