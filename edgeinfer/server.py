@@ -17,9 +17,8 @@ Policy (documented for users):
   ``parallel=N``, ``edgeinfer serve --parallel N``: continuous batching,
   :mod:`edgeinfer.batching`, one KV cache per sequence), else one at a time. More wait
   in arrival order (FIFO) without holding a thread; past ``queue_limit`` waiting
-  requests a new one is answered 503 with ``Retry-After: 2`` (seconds) and an
-  OpenAI-style error body (code ``server_busy``). Generation runs on a worker thread,
-  never on the event loop.
+  requests a new one gets 503 + ``Retry-After`` (:mod:`.server_limits`). Generation
+  runs on a worker thread, never on the event loop.
 * A client that disconnects (mid-stream, while queued, or while waiting for a
   non-streamed answer) cancels its generation: the model is free again within one
   decode step. The finish reason "cancelled" therefore never reaches a client.
@@ -75,7 +74,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import ContextOverflowError, EdgeInferError
-from .server_limits import BodyLimit, ServerLimits, bounded_h11_protocol
+from .server_limits import (  # noqa: F401  (RETRY_AFTER_S re-exported)
+    DEFAULT_QUEUE_LIMIT,
+    RETRY_AFTER_S,
+    BodyLimit,
+    ServerLimits,
+    admit,
+    bounded_h11_protocol,
+)
 from .server_requests import (
     APIError,
     GenRequest,
@@ -101,11 +107,6 @@ __all__ = ["APIError", "ServeError", "ServerCounters", "ServerLimits", "create_a
            "default_model_name", "serve", "uvicorn_config"]
 
 log = logging.getLogger("edgeinfer.server")
-
-#: requests that may wait for a free slot before new ones get a 503
-DEFAULT_QUEUE_LIMIT = 16
-#: seconds a 503's ``Retry-After`` asks a client to wait
-RETRY_AFTER_S = 2
 access_log = logging.getLogger("edgeinfer.server.access")
 
 
@@ -212,14 +213,9 @@ class _Server:
             raise
 
     def _admit(self) -> None:
-        """Raise a 503 (``Retry-After``) when ``queue_limit`` requests already wait."""
         with self.counters.lock:
             waiting = self.counters.queued
-        if self.gate.locked() and waiting >= self.queue_limit:
-            raise APIError(503, f"the server is busy: {self.parallel} requests are generating "
-                           f"and {waiting} are waiting (queue limit {self.queue_limit}); "
-                           f"retry after {RETRY_AFTER_S} s", type="server_error",
-                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        admit(self.gate.locked(), waiting, self.parallel, self.queue_limit)
 
     def _new_generation(self, ids: list[int], req: GenRequest, param: str) -> Generation:
         self._admit()
