@@ -114,13 +114,14 @@ def main(argv=None) -> int:
             try:
                 name = client.models.list().data[0].id
                 break
-            except openai.APIConnectionError:
+            except Exception:  # not listening yet (connection refused)
                 if proc is not None and proc.poll() is not None:
                     raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        run_concurrent(client, name, 2, 8)  # warm: kernels of M = 1 and M = 2
+        for n in sorted({1, 2, min(4, args.parallel), args.parallel}):
+            run_concurrent(client, name, n, 8)  # warm: the kernels of every batch size
         report = {"model": args.model, "parallel": args.parallel, "threads": args.threads}
         for n in [int(s) for s in args.streams.split(",")]:
             report[f"streams_{n}"] = s = summarize(run_concurrent(client, name, n,
