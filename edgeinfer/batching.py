@@ -52,6 +52,8 @@ from .engine import Engine, common_prefix_len
 DEFAULT_CHUNK = 128
 #: seconds a step waits for every running sequence to ask for its next token
 GATHER_S = 0.002
+#: seconds the scheduler thread stays without any sequence before it exits
+IDLE_EXIT_S = 2.0
 
 
 def scheduler_chunk(transformer, prefill_chunk: int) -> int:
@@ -86,8 +88,8 @@ class Scheduler:
             backend runs one forward at a time, on this thread only, once started.
         gather_s: seconds a step waits for the running sequences' decode requests.
 
-    The thread starts on the first call and stops with :meth:`close` (a daemon thread:
-    it never keeps the process alive).
+    The thread starts on the first call and exits after ``IDLE_EXIT_S`` seconds without
+    sequences, or at :meth:`close` (a daemon thread: it never keeps the process alive).
     """
 
     def __init__(self, transformer, gather_s: float = GATHER_S):
@@ -144,7 +146,7 @@ class Scheduler:
             t.join(timeout=30)
 
     # ---- the thread ------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self) -> None:  # with self._cond held
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="edgeinfer-scheduler",
                                             daemon=True)
@@ -154,9 +156,12 @@ class Scheduler:
         """Wait for work; returns (one prefill chunk or None, the decode calls), or None
         when closed and idle."""
         with self._cond:
+            idle_since = time.monotonic()
             while not self._pending:
-                if self._closed:
-                    return None
+                if self._closed or (self._running == 0
+                                    and time.monotonic() - idle_since > IDLE_EXIT_S):
+                    self._thread = None  # idle: exit (the next call starts a new one), so
+                    return None          # a dropped model is not kept alive by its thread
                 self._cond.wait(0.5)
             deadline = time.monotonic() + self.gather_s
             while len(self._pending) < self._running:  # the others are sampling: wait a bit

@@ -189,3 +189,20 @@ def test_scheduler_chunk_small_only_where_rows_do_not_depend_on_m(stories, smoll
     assert scheduler_chunk(_transformer(smollm2), 512) == DEFAULT_CHUNK  # all quantized
     assert scheduler_chunk(_transformer(stories), 512) == 512  # dense float32 (HF folder)
     assert scheduler_chunk(_transformer(smollm2), 64) == 64
+
+
+def test_scheduler_thread_exits_when_idle_and_restarts(stories_q):
+    """No thread outlives the model's work (a dropped model is freed); the next call
+    starts a new one and gets the same tokens."""
+    import time
+
+    from edgeinfer import api
+
+    m = api.Model(stories_q, backend="cpu", n_ctx=128, threads=2, parallel=2)
+    first = m.generate("Once upon a time", max_tokens=12)
+    sched = m.pool.scheduler
+    deadline = time.monotonic() + 20
+    while sched._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sched._thread is None
+    assert m.generate("Once upon a time", max_tokens=12) == first and len(first) > 10
