@@ -128,13 +128,31 @@ def _load(args, warm: bool = False):
     quiet = getattr(args, "quiet", False)
     path = resolve_model(args.model, progress=not quiet, converter=_first_run_convert,
                          notify=None if quiet else _say)
-    model = api.Model(read_resolved(path), backend=args.backend, n_ctx=args.ctx,
+    source = read_resolved(path)
+    model = api.Model(source, backend=args.backend, n_ctx=args.ctx,
                       kv_dtype=args.kv_dtype, threads=args.threads, device=args.device,
-                      prefill_chunk=args.prefill_chunk, max_memory=args.max_memory)
+                      prefill_chunk=args.prefill_chunk, max_memory=args.max_memory,
+                      parallel=_parallel(args, source))
     record_use(path)
     if warm or model.kernels_cold:
         _warm_up(model, quiet)
     return model
+
+
+def _parallel(args, source) -> int:
+    """``--parallel`` (serve only; 1 elsewhere), or by default min(4, the sequences of
+    the context that fit in --max-memory, else in the memory available now)."""
+    if not hasattr(args, "parallel"):
+        return 1
+    if args.parallel is not None:
+        return args.parallel
+    from edgeinfer import api
+    from edgeinfer.memory import default_parallel
+
+    backend = args.backend or api.default_backend()
+    return default_parallel(source.config, api.source_weight_bytes(source, backend),
+                            args.kv_dtype or api.DEFAULT_KV_DTYPE, args.prefill_chunk,
+                            args.ctx, args.max_memory)
 
 
 def _warm_up(model, quiet: bool) -> None:
@@ -425,6 +443,16 @@ def cmd_devices(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return v
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 < port < 65536:
@@ -474,14 +502,16 @@ def cmd_serve(args) -> int:
 
     def listening(url: str) -> None:
         state.enter_context(server_state(model, name, url))
+        par = model.pool.n if model.pool is not None else 1
         print(f"serving model id '{name}' ({model.backend.name} backend, context "
-              f"{model.n_ctx} tokens) at {url}{key_note}; clients send model=\"{name}\"; "
-              f"Ctrl-C stops", file=sys.stderr)
+              f"{model.n_ctx} tokens, {par} in parallel) at {url}{key_note}; clients send "
+              f"model=\"{name}\"; Ctrl-C stops", file=sys.stderr)
 
     with state:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
               log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
-              access_log=not args.quiet, limits=limits, on_listening=listening)
+              access_log=not args.quiet, limits=limits, on_listening=listening,
+              queue_limit=args.queue_limit)
     return 0
 
 
@@ -682,6 +712,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
                    help="seconds a client has to send the request body after its headers "
                         "(default 30); slower: 408")
+    s.add_argument("--parallel", type=_positive, default=None, metavar="N",
+                   help="requests generated at once (continuous batching; one KV cache of "
+                        "the context each); default: min(4, what fits in --max-memory, else "
+                        "in the memory available)")
+    s.add_argument("--queue-limit", type=int, default=16, metavar="N",
+                   help="requests that may wait for a free slot (default 16); past it a new "
+                        "request gets 503 with Retry-After")
     s.set_defaults(func=cmd_serve)
     return p
 

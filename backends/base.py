@@ -235,3 +235,16 @@ class Backend(ABC):
     def select_rows(self, x: Any, rows: slice) -> Any:
         """x[rows] for a [T, ...] tensor (used to keep only the last position)."""
         return x[rows]
+
+    #: whether :meth:`concat_rows` works, so that a batched decode step composes the ops
+    #: over B rows (:meth:`edgeinfer.models.transformer.Transformer.forward_batch`);
+    #: False: the model runs each sequence of a batch by itself.
+    batched_rows: bool = True
+    #: set by the model around a batched decode step: while True, :meth:`linear` must give
+    #: every row the numerics it has alone (M = 1), e.g. one BLAS GEMV per row for dense
+    #: weights, whose M > 1 GEMM sums in another order
+    rows_alone: bool = False
+
+    def concat_rows(self, parts: list[Any]) -> Any:
+        """The [T_i, ...] tensors of ``parts`` stacked along the first axis."""
+        return np.concatenate(parts)

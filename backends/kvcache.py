@@ -415,13 +415,20 @@ class Int4KVCache(HostKVCache):
     """int4 KV cache: K and V per (token, head, group of G) asymmetric with f16 scale and
     minimum; K first shifted and scaled per channel (``(k - m) / c``, fixed by the write
     at position 0, :func:`k_channel_stats`) and Hadamard-rotated; two codes per byte, low
-    nibble first. Formulas in :mod:`.kvformat`."""
+    nibble first. Formulas in :mod:`.kvformat`.
+
+    The statistics come from the first ``KSTAT_POSITIONS`` rows of that write (fewer if
+    it was shorter: ``stat_rows``), so a kept prefix equals a fresh write of a longer
+    sequence only if it holds those rows and the fresh write would take as many
+    (:meth:`edgeinfer.engine.Engine.prefill` checks this before reusing a prefix).
+    """
 
     rotate_k = True
     _FIXED = ("k_off", "k_cs")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.stat_rows = 0  # rows the K statistics came from (0: none yet)
         for a in self._layer:  # until a write at position 0: m = 0, c = 1
             a["k_off"] = np.zeros((self.n_kv_heads, self.head_dim), np.float32)  # m [Hkv, hd]
             a["k_cs"] = np.ones((self.n_kv_heads, self.head_dim), np.float32)    # c [Hkv, hd]
@@ -442,6 +449,7 @@ class Int4KVCache(HostKVCache):
         a = self._layer[layer]
         if start_pos == 0 and k.shape[0] > 0:
             a["k_off"][...], a["k_cs"][...] = k_channel_stats(k[:KSTAT_POSITIONS])
+            self.stat_rows = min(KSTAT_POSITIONS, k.shape[0])
         return (k - a["k_off"]) / a["k_cs"]
 
     def _store(self, a, idx, k, v):

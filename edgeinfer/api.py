@@ -111,6 +111,11 @@ class Model:
         self_check: for OpenCL, compare a tiny model on the device with the reference
             at start-up and fall back to the CPU backend (with a warning) on a mismatch:
             drivers that miscompute exist.
+        parallel: sequences that generate at once (continuous batching,
+            :mod:`edgeinfer.batching`): with N > 1, N streams / chat sessions of this
+            model run concurrently from any threads (one copy of the weights, one KV
+            cache per sequence; with ``max_memory`` the context is sized so that all N
+            fit); more wait their turn. 1 (default): calls take turns (a lock).
 
     Raises:
         BackendUnavailableError: the backend cannot run here.
@@ -120,7 +125,7 @@ class Model:
     def __init__(self, source: ModelSource, backend: str | None = None, n_ctx: int | None = None,
                  kv_dtype: str | None = None, threads: int | None = None,
                  device: str | None = None, prefill_chunk: int = 512, self_check: bool = True,
-                 max_memory: float | None = None):
+                 max_memory: float | None = None, parallel: int = 1):
         from .backends import get_backend
         from .memory import plan_memory
         from .models.transformer import Transformer
@@ -133,9 +138,12 @@ class Model:
         kv_dtype = kv_dtype or DEFAULT_KV_DTYPE
         model_max = source.config.max_position_embeddings
         self.memory_plan = None
+        if int(parallel) < 1:
+            raise ValueError(f"parallel must be at least 1, got {parallel}")
         if max_memory is not None:
             self.memory_plan = plan_memory(source.config, source_weight_bytes(source, name),
-                                           max_memory, kv_dtype, prefill_chunk, n_ctx=n_ctx)
+                                           max_memory, kv_dtype, prefill_chunk, n_ctx=n_ctx,
+                                           parallel=int(parallel))
             if n_ctx is not None and not self.memory_plan.fits:
                 from .errors import MemoryBudgetError
                 from .memory import format_plan
@@ -168,6 +176,14 @@ class Model:
         self.engine = Engine(self.transformer, self.tokenizer, n_ctx=n_ctx, kv_dtype=kv_dtype,
                              prefill_chunk=prefill_chunk)
         self._lock = threading.Lock()
+        #: the slots of continuous batching (parallel > 1), else None
+        self.pool = None
+        if parallel > 1:
+            from .batching import SlotPool, scheduler_chunk
+            self.pool = SlotPool(self.transformer, self.tokenizer, int(parallel), n_ctx,
+                                 kv_dtype, scheduler_chunk(self.transformer, prefill_chunk),
+                                 first_cache=self.engine.cache)
+            self.engine = self.pool.engine(0)  # slot 0: its forwards go through the scheduler
         #: True when the CPU backend's Numba kernels are not compiled yet (a fresh
         #: install): the first generation then compiles them (15-45 s on 2 cores, once;
         #: cached on disk after). False when warm, None when unknown or not the CPU.
@@ -229,7 +245,7 @@ class Model:
         ids = (self.encode_prompt("Hello, world") + [0, 0, 0])[:3]
         sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                                  repetition_penalty=1.1, presence_penalty=0.1, seed=0)
-        with self._lock:
+        with self._exclusive():
             try:
                 say("prefill")
                 logits, _ = self.engine.prefill(ids)
@@ -372,8 +388,21 @@ class Model:
         vocab = self.config.vocab_size
         return Constraint(token_table(self.tokenizer, vocab), grammar, vocab)
 
+    def _exclusive(self):
+        """The lock, or with ``parallel`` > 1 slot 0 of the pool held (warm-up)."""
+        if self.pool is None:
+            return self._lock
+        from .batching import held_slot
+        return held_slot(self.pool, 0)
+
     def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None,
                        leading_space=True):
+        if self.pool is not None:
+            from .batching import pooled_stream
+            yield from pooled_stream(self.pool, ids, cancel, params=params,
+                                     max_tokens=max_tokens, stop=stop, constraint=constraint,
+                                     leading_space=leading_space)
+            return
         while not self._lock.acquire(timeout=0.05):
             if cancel is not None and cancel.is_set():
                 yield GenerationEvent(finish_reason="cancelled", stats=GenerationStats(
@@ -443,7 +472,9 @@ class Model:
         ids, dropped = self.chat_ids(messages, tools=tools, reserve=reserve)
         # the previous reply as the model sampled it (and its KV cache holds it), even
         # where that is not how the tokenizer would spell its text: reused, not recomputed
-        spliced = reuse_cached_ids(ids, list(self.engine.cached_ids),
+        cached = (self.engine.cached_ids if self.pool is None
+                  else self.pool.cached_ids_for(ids))
+        spliced = reuse_cached_ids(ids, list(cached),
                                    lambda t: self.tokenizer.decode(t, skip_special=False))
         if len(spliced) <= self.n_ctx:
             ids = spliced

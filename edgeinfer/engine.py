@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backends.kvformat import KSTAT_POSITIONS
 from .detokenizer import StreamingDetokenizer
 from .errors import ContextOverflowError
 from .sampling import Sampler, SamplingParams
@@ -194,7 +195,8 @@ class Engine:
         Reuses the longest common prefix with what the cache already holds (always
         recomputing at least the last token). A LongRoPE model runs the whole prompt with
         the factors of its length; a cached prefix computed with the other ones is not
-        reused.
+        reused; nor is an int4 cache's prefix whose K statistics came from other rows than
+        a fresh prefill of ``ids`` would take them from (``Int4KVCache.stat_rows``).
 
         Returns:
             (logits float32 [V], number of reused tokens); logits is None when ``cancel``
@@ -213,6 +215,10 @@ class Engine:
                 keep = 0
             self._cache_long = long
             kw = {"long_rope": long}
+        stat_rows = getattr(self.cache, "stat_rows", None)  # int4 KV: K statistics' rows
+        if stat_rows and keep and (keep < stat_rows or stat_rows != min(
+                KSTAT_POSITIONS, self.prefill_chunk, len(ids))):
+            keep = 0  # a fresh prefill would fix other statistics: a hit must not differ
         self.cache.trim(min(keep, self.cache.length))
         keep = self.cache.length
         self.cached_ids = list(ids[:keep])

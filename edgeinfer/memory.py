@@ -71,6 +71,8 @@ class MemoryPlan:
         kv_dtype, prefill_chunk, n_ctx: the inputs (n_ctx None if not requested).
         kv_bytes: KV bytes at ``max_context`` (exact, including ring tables).
         model_max_positions: the model's ``max_position_embeddings``.
+        parallel: sequences that each get a cache of ``max_context`` positions
+            (continuous batching, :mod:`edgeinfer.batching`); ``kv_bytes`` counts all.
     """
 
     budget_bytes: int
@@ -84,6 +86,7 @@ class MemoryPlan:
     n_ctx: int | None
     kv_bytes: int
     model_max_positions: int
+    parallel: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -134,7 +137,7 @@ def context_length(model_max: int, n_ctx: int | None = None,
 
 def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "int8",
                 prefill_chunk: int = 512, *, n_ctx: int | None = None,
-                use_windows: bool = False,
+                use_windows: bool = False, parallel: int = 1,
                 overhead_bytes: int = RUNTIME_OVERHEAD_BYTES) -> MemoryPlan:
     """Plan weights + scratch + KV cache inside ``max_memory_mb`` MiB.
 
@@ -147,6 +150,8 @@ def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "i
         n_ctx: a requested context; ``fits`` tells whether it fits (default: >= 1 token).
         use_windows: size sliding-window layers as rings (only if the cache is built
             with ``window_sizes``; the engine does not do that yet).
+        parallel: sequences generating at once, each with its own cache of the
+            context (``max_context`` is then per sequence).
         overhead_bytes: runtime constant (default :data:`RUNTIME_OVERHEAD_BYTES`).
 
     Returns:
@@ -167,8 +172,11 @@ def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "i
     wins = _windows(cfg, use_windows)
     max_chunk = max(prefill_chunk, 1) if wins else DEFAULT_MAX_CHUNK
 
-    def kv(n: int) -> int:
-        return kv_cache_nbytes(L, hkv, hd, n, kv_dtype, wins, max_chunk) if n > 0 else 0
+    if parallel < 1:
+        raise ValueError(f"parallel must be at least 1, got {parallel}")
+
+    def kv(n: int) -> int:  # all sequences' caches
+        return parallel * kv_cache_nbytes(L, hkv, hd, n, kv_dtype, wins, max_chunk) if n > 0 else 0
 
     per_token = L * kv_bytes_per_token_layer(hkv, hd, kv_dtype)
     avail = budget - weight_bytes - scratch
@@ -182,7 +190,7 @@ def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "i
             f"{need / MIB + 1:.0f} or more, or use a smaller model / prefill chunk")
     max_pos = cfg.max_position_embeddings
     if wins is None:
-        n = min(max_pos, avail // per_token)
+        n = min(max_pos, avail // (per_token * parallel))
     else:  # kv(n) is non-decreasing: the largest n in [1, max_pos] with kv(n) <= avail
         lo, hi = 1, max_pos
         while lo < hi:
@@ -194,7 +202,15 @@ def plan_memory(cfg, weight_bytes: int, max_memory_mb: float, kv_dtype: str = "i
     return MemoryPlan(budget_bytes=budget, weights_bytes=int(weight_bytes),
                       kv_bytes_per_token=per_token, scratch_bytes=scratch, max_context=n,
                       fits=n >= want, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                      n_ctx=n_ctx, kv_bytes=kv(n), model_max_positions=max_pos)
+                      n_ctx=n_ctx, kv_bytes=kv(n), model_max_positions=max_pos,
+                      parallel=int(parallel))
+
+
+def parallel_sequences(plan: MemoryPlan, n_ctx: int) -> int:
+    """How many sequences of ``n_ctx`` positions each (their caches) fit in the budget
+    of ``plan`` (weights and scratch counted once), without sliding-window rings."""
+    avail = plan.budget_bytes - plan.weights_bytes - plan.scratch_bytes
+    return max(0, int(avail // (plan.kv_bytes_per_token * max(1, int(n_ctx)))))
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -207,9 +223,45 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  scratch+runtime  {mib(plan.scratch_bytes)}  (prefill chunk {plan.prefill_chunk} tokens)",
         f"  KV cache         {mib(plan.kv_bytes)}  ({plan.kv_dtype}, {plan.kv_bytes_per_token} bytes/token)",
         f"  total            {mib(plan.total_bytes)}",
-        f"max context        {plan.max_context} tokens{capped}",
+        f"max context        {plan.max_context} tokens{capped}"
+        + (f" per sequence, {plan.parallel} in parallel" if plan.parallel > 1 else ""),
     ]
+    for n in sorted({min(plan.model_max_positions, c) for c in (2048, 4096, plan.max_context)}):
+        lines.append(f"parallel sequences {parallel_sequences(plan, n)} at {n} tokens each")
     if plan.n_ctx is not None:
         lines.append(f"requested context  {plan.n_ctx} tokens: "
                      + ("fits" if plan.fits else "does NOT fit; lower --ctx or raise --max-memory"))
     return "\n".join(lines)
+
+
+def available_memory_mb() -> float | None:
+    """The memory the OS can give without swapping now (Linux ``MemAvailable``), MiB;
+    None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_parallel(cfg, weight_bytes: int, kv_dtype: str, prefill_chunk: int,
+                     n_ctx: int | None = None, max_memory_mb: float | None = None,
+                     cap: int = 4) -> int:
+    """The server's default ``--parallel``: min(``cap``, the sequences of the context
+    (:func:`context_length` of ``n_ctx``) that fit in ``max_memory_mb``, else in the memory
+    available now), at least 1."""
+    budget = max_memory_mb
+    if budget is None:
+        avail = available_memory_mb()
+        if avail is None:
+            return 1
+        budget = avail
+    n = context_length(cfg.max_position_embeddings, n_ctx)
+    try:
+        plan = plan_memory(cfg, weight_bytes, budget, kv_dtype, prefill_chunk)
+    except MemoryBudgetError:
+        return 1
+    return max(1, min(int(cap), parallel_sequences(plan, n)))

@@ -13,9 +13,12 @@ Policy (documented for users):
 
 * Binds 127.0.0.1 unless told otherwise; with ``api_key`` set every ``/v1`` route
   needs ``Authorization: Bearer <key>`` (401 otherwise).
-* One model, one KV cache: requests are served one at a time in arrival order (FIFO);
-  the others wait in the queue without holding a thread. Generation runs on a worker
-  thread, never on the event loop.
+* One model; ``parallel`` requests generate at once (a model built with
+  ``parallel=N``, ``edgeinfer serve --parallel N``: continuous batching,
+  :mod:`edgeinfer.batching`, one KV cache per sequence), else one at a time. More wait
+  in arrival order (FIFO) without holding a thread; past ``queue_limit`` waiting
+  requests a new one gets 503 + ``Retry-After`` (:mod:`.server_limits`). Generation
+  runs on a worker thread, never on the event loop.
 * A client that disconnects (mid-stream, while queued, or while waiting for a
   non-streamed answer) cancels its generation: the model is free again within one
   decode step. The finish reason "cancelled" therefore never reaches a client.
@@ -71,7 +74,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import ContextOverflowError, EdgeInferError
-from .server_limits import BodyLimit, ServerLimits, bounded_h11_protocol
+from .server_limits import (  # noqa: F401  (RETRY_AFTER_S re-exported)
+    DEFAULT_QUEUE_LIMIT,
+    RETRY_AFTER_S,
+    BodyLimit,
+    ServerLimits,
+    admit,
+    bounded_h11_protocol,
+)
 from .server_requests import (
     APIError,
     GenRequest,
@@ -138,8 +148,12 @@ class _Server:
     """The state behind one app: the model, its FIFO gate, counters."""
 
     def __init__(self, model, model_name: str, api_key: str | None,
-                 default_max_tokens: int | None = None, limits: ServerLimits | None = None):
+                 default_max_tokens: int | None = None, limits: ServerLimits | None = None,
+                 queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.model = model
+        pool = getattr(model, "pool", None)
+        self.parallel = pool.n if pool is not None else 1
+        self.queue_limit = int(queue_limit)
         self.limits = limits or ServerLimits()
         self.live: set[Generation] = set()  # started, not finished (cancelled at shutdown)
         self.default_max_tokens = default_max_tokens
@@ -154,7 +168,7 @@ class _Server:
         self.created = int(time.time())
         # FIFO admission: held from the start of a worker to its end (released by the
         # worker thread), so queued requests cost no thread and are served in order.
-        self.gate = asyncio.Lock()
+        self.gate = asyncio.Semaphore(self.parallel)
         self.counters = ServerCounters()
         self.log_once = LogOnce()  # unknown request fields, logged once each
 
@@ -198,7 +212,13 @@ class _Server:
             self.gate.release()
             raise
 
+    def _admit(self) -> None:
+        with self.counters.lock:
+            waiting = self.counters.queued
+        admit(self.gate.locked(), waiting, self.parallel, self.queue_limit)
+
     def _new_generation(self, ids: list[int], req: GenRequest, param: str) -> Generation:
+        self._admit()
         if len(ids) >= self.model.n_ctx:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the context holds "
                            f"{self.model.n_ctx} (and at least one must be generated); shorten "
@@ -460,7 +480,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def create_app(model, model_name: str, api_key: str | None = None,
                default_max_tokens: int | None = None,
-               limits: ServerLimits | None = None) -> Starlette:
+               limits: ServerLimits | None = None,
+               queue_limit: int = DEFAULT_QUEUE_LIMIT) -> Starlette:
     """Build the ASGI app serving ``model`` under the OpenAI API.
 
     Args:
@@ -472,6 +493,7 @@ def create_app(model, model_name: str, api_key: str | None = None,
         limits: request bounds (:class:`ServerLimits`; default: its defaults). The body
             size and time are enforced by the app; the head timeout needs the protocol of
             :func:`uvicorn_config`.
+        queue_limit: requests that may wait for a free slot; past it, 503 + Retry-After.
 
     Returns:
         A Starlette app; ``app.state.counters`` (:class:`ServerCounters`) counts finished
@@ -486,7 +508,9 @@ def create_app(model, model_name: str, api_key: str | None = None,
         raise ValueError("model_name must be a non-empty string")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None (no authentication) or a non-empty string")
-    srv = _Server(model, model_name, api_key, default_max_tokens, limits)
+    if queue_limit < 0:
+        raise ValueError(f"queue_limit must be >= 0, got {queue_limit}")
+    srv = _Server(model, model_name, api_key, default_max_tokens, limits, queue_limit)
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
@@ -575,7 +599,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
           model_name: str | None = None, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           default_max_tokens: int | None = None, access_log: bool = True,
-          limits: ServerLimits | None = None) -> None:
+          limits: ServerLimits | None = None, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> None:
     """Serve ``model`` over HTTP until interrupted (blocks; Ctrl-C stops it).
 
     Args:
@@ -591,6 +615,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         access_log: print one line per request on stderr (see the module policy).
         limits: request bounds (:class:`ServerLimits`: body size, head/body timeouts,
             JSON depth); default: its defaults.
+        queue_limit: requests that may wait for a free slot (see the module policy).
 
     Raises:
         ValueError: a port out of range, or an empty ``model_name``/``api_key``.
@@ -602,7 +627,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     name = model_name or default_model_name(model)
     limits = limits or ServerLimits()
-    app = create_app(model, name, api_key, default_max_tokens, limits)
+    app = create_app(model, name, api_key, default_max_tokens, limits, queue_limit)
     _setup_access_log(access_log)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use "

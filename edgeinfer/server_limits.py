@@ -12,6 +12,9 @@
   ``body_timeout`` seconds (default 30, ``--body-timeout``) of the head. Otherwise: 408 and
   the connection is closed. A ``Content-Length`` larger than what is sent is such a case.
   An idle keep-alive connection is closed after 5 s (uvicorn's ``timeout_keep_alive``).
+* **Waiting requests**: at most ``queue_limit`` (default 16, ``--queue-limit``) wait for a
+  free generation slot; past it a new request is answered 503 with ``Retry-After``
+  (:func:`admit`).
 * **JSON**: nesting at most ``max_json_depth`` levels (64), numbers at most 100 digits;
   see :func:`edgeinfer.server_requests.parse_json`.
 
@@ -235,3 +238,20 @@ def bounded_h11_protocol(limits: ServerLimits):
                      limits.header_timeout)
 
     return BoundedH11Protocol
+
+
+#: requests that may wait for a free slot before new ones get a 503
+DEFAULT_QUEUE_LIMIT = 16
+#: seconds a 503's ``Retry-After`` asks a client to wait
+RETRY_AFTER_S = 2
+
+
+def admit(slots_full: bool, waiting: int, parallel: int, queue_limit: int) -> None:
+    """Raise a 503 APIError with ``Retry-After`` when every slot is taken
+    (``slots_full``) and ``waiting`` >= ``queue_limit`` requests already wait."""
+    if slots_full and waiting >= queue_limit:
+        from .server_requests import APIError
+        raise APIError(503, f"the server is busy: {parallel} requests are generating and "
+                       f"{waiting} are waiting (queue limit {queue_limit}); retry after "
+                       f"{RETRY_AFTER_S} s", type="server_error", code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -42,11 +42,14 @@ class APIError(Exception):
         type: OpenAI error type ("invalid_request_error", "authentication_error", ...).
         param: the offending request field, if any.
         code: a machine-readable code ("model_not_found", "invalid_api_key", ...).
+        headers: extra response headers (e.g. ``Retry-After`` on a 503).
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.type = type
@@ -54,7 +57,8 @@ class APIError(Exception):
         self.code = code
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        headers.update(self.headers)
         return JSONResponse({"error": {"message": self.message, "type": self.type,
                                        "param": self.param, "code": self.code}},
                             status_code=self.status, headers=headers)

@@ -90,8 +90,9 @@ class ServerCounters:
     """Per-app generation counters (``app.state.counters``), for logs and tests.
 
     ``queued``: waiting for their turn; ``started``: worker threads started; ``active``:
-    started and not yet finished (0 or 1); finished ones by outcome: ``completed``
-    ("stop"/"length"), ``cancelled`` (the client left), ``failed`` (an exception).
+    started and not yet finished (at most the server's parallel); finished ones by
+    outcome: ``completed`` ("stop"/"length"), ``cancelled`` (the client left),
+    ``failed`` (an exception).
     """
 
     queued: int = 0

@@ -18,6 +18,12 @@ https://github.com/huggingface/transformers/tree/main/src/transformers/models
 Which switches apply is the :class:`~edgeinfer.backends.base.DecoderBlock` the model
 builds from its config. A backend may replace decode steps by a compiled plan
 (:meth:`~edgeinfer.backends.base.Backend.compile_decode`) that passes the same tests.
+
+A batched decode step (continuous batching) runs the same block over B rows, one token
+of each of B sequences: ``cache`` is then a :class:`RowCaches` (one KV cache per row)
+and ``positions`` each row's own position. Every op but the attention is row-wise, so
+the linears see M = B rows (each weight read once per step); the attention runs per
+row over that row's cache.
 """
 from __future__ import annotations
 
@@ -26,6 +32,27 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, DecoderBlock
+
+
+class RowCaches(tuple):
+    """One KV cache per row of a batched decode step (row i appends at ``positions[i]``
+    of cache i); the caches are distinct objects."""
+
+
+def _attend(be: Backend, blk: DecoderBlock, q: Any, k: Any, v: Any, cache: Any, layer: int,
+            positions: np.ndarray) -> Any:
+    """The block's attention: over one cache from ``positions[0]`` on, or (a
+    :class:`RowCaches`) row i over cache i at ``positions[i]``; returns [T, Hq, hd]."""
+    if not isinstance(cache, RowCaches):
+        return be.attention(q, k, v, cache, layer, int(positions[0]), blk.scale, blk.window,
+                            blk.softcap)
+    rows = []
+    for i, c in enumerate(cache):
+        r = slice(i, i + 1)
+        rows.append(be.attention(be.select_rows(q, r), be.select_rows(k, r),
+                                 be.select_rows(v, r), c, layer, int(positions[i]), blk.scale,
+                                 blk.window, blk.softcap))
+    return be.concat_rows(rows)
 
 
 def block_forward(be: Backend, blk: DecoderBlock, x: Any, positions: np.ndarray, cache: Any,
@@ -38,8 +65,9 @@ def block_forward(be: Backend, blk: DecoderBlock, x: Any, positions: np.ndarray,
         be: the backend running the ops; ``blk`` its uploaded tensors and switches.
         x: residual stream [T, D] (a backend handle; not modified).
         positions: int32 [T] absolute positions, consecutive (the first is the cache
-            row the chunk starts at).
-        cache: KV cache from ``be.new_kv_cache``.
+            row the chunk starts at); with a :class:`RowCaches`, row i's own position.
+        cache: KV cache from ``be.new_kv_cache``, or a :class:`RowCaches` of T caches
+            (a batched decode step: one token of each of T sequences).
         capture: if given, filled with the *input* of each linear group ("q_proj"
             (shared by q/k/v), "o_proj", "gate_proj" (shared by gate/up), "down_proj")
             for the AWQ/GPTQ calibration of ``edgeinfer.quant``.
@@ -62,8 +90,7 @@ def block_forward(be: Backend, blk: DecoderBlock, x: Any, positions: np.ndarray,
         k = be.rmsnorm(k, blk.k_norm, eps, off)
     q = be.rope(q, blk.cos, blk.sin, positions)
     k = be.rope(k, blk.cos, blk.sin, positions)
-    a = be.attention(q, k, v, cache, layer, int(positions[0]), blk.scale, blk.window,
-                     blk.softcap)
+    a = _attend(be, blk, q, k, v, cache, layer, positions)
     a = be.reshape(a, (t, hq * hd))
     if capture is not None:
         capture["o_proj"] = a

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, DecodePlan, DecoderBlock, DecodeStep
-from .block import block_forward
+from .block import RowCaches, block_forward
 from .config import ModelConfig
 from .families import LINEAR_KEYS, layer_tensor_names  # noqa: F401 (re-exported)
 from .rope import rope_switch, rope_tables
@@ -233,6 +233,68 @@ class Transformer:
         y = be.logits(x, self.lm_head, cfg.final_logit_softcapping,
                       norm=(self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset))
         if out is None or all_logits:
+            return y
+        out[...] = y
+        return out
+
+    def forward_batch(self, ids: np.ndarray, caches: list, out: np.ndarray | None = None
+                      ) -> np.ndarray:
+        """One decode step of B sequences: token ``ids[i]`` at position ``caches[i].length``
+        of cache i, as one forward whose linears see M = B rows (each weight read once)
+        and whose attention runs per sequence over its own cache (:class:`.block.RowCaches`).
+
+        Row i equals ``forward(ids[i:i+1], caches[i])`` (bit-identical on the CPU backend,
+        whose linears give every row the single-token GEMV's numerics whatever M). B = 1,
+        a backend without :attr:`~edgeinfer.backends.base.Backend.batched_rows` (OpenCL)
+        and LongRoPE models run each sequence by itself (its own decode plan).
+
+        Args:
+            ids: int32 [B] one token per sequence.
+            caches: B distinct KV caches of this model; each ``length`` advances by 1.
+            out: optional float32 [B, V] buffer for the logits.
+
+        Returns:
+            float32 logits [B, V] (``out`` when given).
+
+        Raises:
+            ValueError: a position exceeds its cache or the RoPE table; B != len(caches);
+                a cache given twice.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        b = ids.shape[0]
+        if b != len(caches) or b == 0:
+            raise ValueError(f"forward_batch: {b} ids for {len(caches)} caches")
+        if len({id(c) for c in caches}) != b:
+            raise ValueError("forward_batch: a cache appears twice in one step")
+        if b == 1 or not self.backend.batched_rows or self.rope_switch is not None:
+            rows = [self.forward(ids[i:i + 1], c) for i, c in enumerate(caches)]
+            y = np.concatenate(rows)
+            if out is None:
+                return y
+            out[...] = y
+            return out
+        positions = np.fromiter((c.length for c in caches), np.int32, b)
+        if int(positions.max()) + 1 > self.max_positions:
+            raise ValueError(f"positions up to {int(positions.max()) + 1} exceed the model's "
+                             f"table of {self.max_positions}")
+        be, cfg = self.backend, self.cfg
+        for c in caches:
+            if c.length + 1 > c.max_tokens:
+                raise ValueError(f"position {c.length} does not fit a cache of "
+                                 f"{c.max_tokens} positions")
+        rc = RowCaches(caches)
+        be.rows_alone = True
+        try:
+            x = be.embed(self.embed_tokens, ids, cfg.embed_scale)
+            for i, blk in enumerate(self.blocks):
+                x = block_forward(be, blk, x, positions, rc, i)
+            y = be.logits(x, self.lm_head, cfg.final_logit_softcapping,
+                          norm=(self.norm, cfg.rms_norm_eps, cfg.norm_unit_offset))
+        finally:
+            be.rows_alone = False
+        for c in caches:
+            c.length += 1
+        if out is None:
             return y
         out[...] = y
         return out

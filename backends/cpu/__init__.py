@@ -252,7 +252,8 @@ class CpuBackend(Backend):
         GEMM of :mod:`.qgemm`, whose rows are bit-identical to the GEMV's (so the
         output of a row never depends on T); ``exact_decode``: dequantized tiles + BLAS
         on the tile workers for every T. Dense W:
-        numpy BLAS (tiled on the workers for T > ``GEMV_MAX_T``).
+        numpy BLAS (tiled on the workers for T > ``GEMV_MAX_T``; one GEMV per row while
+        :attr:`rows_alone`, a batched decode step, so each row equals its decode alone).
 
         Raises:
             ValueError: ``in`` does not match the weight.
@@ -277,8 +278,13 @@ class CpuBackend(Backend):
                     gemv_quant(y[i], x2[i], w, bias, self.act_scratch)
             else:  # each row bit-identical to its GEMV (.qgemm)
                 y = gemm_int(x2, w, bias)
-        elif t <= GEMV_MAX_T:
-            y = x2 @ w.T
+        elif t <= GEMV_MAX_T or self.rows_alone:
+            if self.rows_alone and t > 1:  # a batched decode step: each row's GEMV alone
+                y = np.empty((t, w.shape[0]), np.float32)
+                for i in range(t):
+                    np.matmul(x2[i:i + 1], w.T, out=y[i:i + 1])
+            else:
+                y = x2 @ w.T
             if bias is not None:
                 y += bias
         else:

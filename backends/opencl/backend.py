@@ -68,6 +68,9 @@ class OpenCLBackend(Backend):
     """
 
     name = "opencl"
+    #: a batched decode step runs each sequence by itself here (no row-concatenation
+    #: kernel yet): correct, but each weight is read once per sequence
+    batched_rows = False
 
     def __init__(self, device: str | int | None = None, require_fp16: bool = False, **_options):
         if device is None:

@@ -52,7 +52,10 @@ class ReferenceBackend(Backend):
         return (y * ((1.0 + w) if unit_offset else w)).astype(np.float32)
 
     def linear(self, x, w, bias=None):
-        y = x @ w.T
+        if self.rows_alone and x.ndim == 2 and x.shape[0] > 1:  # a batched decode step
+            y = np.concatenate([x[i:i + 1] @ w.T for i in range(x.shape[0])])
+        else:
+            y = x @ w.T
         return y + bias if bias is not None else y
 
     def rope(self, x, cos, sin, positions):
