@@ -30,10 +30,13 @@ suffice for AWQ; GPTQ's paper uses 128 x 2048 tokens, more than these machines a
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from ..backends.base import LinearGroup
 from ..backends.quantized import QuantizedTensor
 from ..backends.reference import ReferenceBackend
 from ..errors import ModelFormatError
@@ -180,14 +183,22 @@ def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:
 
 
 class CalibrationBackend(ReferenceBackend):
-    """The reference backend with attention over a whole fresh sequence (``start_pos == 0``,
-    the calibration case) done by batched matmuls on the current K/V directly (the same
-    products and softmax as the reference einsum, BLAS-fast; nothing is kept in the cache).
+    """The reference backend for calibration forwards over whole fresh sequences
+    (``start_pos == 0``), the same products and softmax as the reference, BLAS-fast:
+
+    * attention by batched matmuls on the current K/V directly (nothing is kept in the
+      cache); with :attr:`seq_len` set, a call of ``B * seq_len`` rows is ``B`` independent
+      sequences of ``seq_len`` tokens (one matmul stack over sequences and KV heads), so
+      :func:`_run_layer` runs many sequences per call;
+    * q/k/v and gate/up as one GEMM on the rows stacked once at upload
+      (:meth:`group_linears`), split into views.
+
     Any other call is the reference's."""
 
     def __init__(self, **options):
         super().__init__(**options)
         self._masks: dict = {}
+        self.seq_len: int | None = None
 
     def _mask(self, t: int, window: int | None) -> np.ndarray:
         """Additive causal (and sliding-window) mask [t, t]: 0 where visible, -inf elsewhere."""
@@ -200,15 +211,38 @@ class CalibrationBackend(ReferenceBackend):
             masks[(t, window)] = np.where(visible, np.float32(0), np.float32(-np.inf))
         return masks[(t, window)]
 
+    def group_linears(self, ws, biases):
+        if len(ws) < 2:
+            return super().group_linears(ws, biases)
+        w = np.concatenate(ws, axis=0)  # [sum out_i, in]
+        b = None
+        if any(x is not None for x in biases):
+            b = np.concatenate([np.zeros(len(wi), np.float32) if x is None else x
+                                for wi, x in zip(ws, biases)])
+        return _FusedGroup(tuple(ws), tuple(biases), w, b, tuple(len(wi) for wi in ws))
+
+    def linear_many(self, x, group):
+        if not isinstance(group, _FusedGroup):
+            return super().linear_many(x, group)
+        y = self.linear(x, group.fused, group.fused_bias)
+        out, r = [], 0
+        for n in group.sizes:
+            out.append(y[:, r:r + n])
+            r += n
+        return out
+
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:
             return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
-        t, hq, hd = q.shape
+        rows, hq, hd = q.shape
+        t = self.seq_len if self.seq_len and rows % self.seq_len == 0 else rows
+        n = rows // t
         hkv = k.shape[1]
         g = hq // hkv
-        qg = np.ascontiguousarray(q.reshape(t, hkv, g, hd).transpose(1, 2, 0, 3))
-        kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # [Hkv, hd, T]
-        scores = np.matmul(qg.reshape(hkv, g * t, hd), kt).reshape(hkv, g, t, t)
+        # [n, Hkv, g*T, hd] @ [n, Hkv, hd, T]: per sequence and KV head, the same products
+        qg = np.ascontiguousarray(q.reshape(n, t, hkv, g, hd).transpose(0, 2, 3, 1, 4))
+        kt = np.ascontiguousarray(k.reshape(n, t, hkv, hd).transpose(0, 2, 3, 1))
+        scores = np.matmul(qg.reshape(n, hkv, g * t, hd), kt).reshape(n, hkv, g, t, t)
         scores *= np.float32(scale)
         if softcap:
             scores = np.tanh(scores / softcap) * softcap
@@ -216,30 +250,66 @@ class CalibrationBackend(ReferenceBackend):
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
-        out = np.matmul(p.reshape(hkv, g * t, t), np.ascontiguousarray(v.transpose(1, 0, 2)))
-        return np.ascontiguousarray(out.reshape(hkv, g, t, hd).transpose(2, 0, 1, 3)
-                                    ).reshape(t, hq, hd).astype(np.float32)
+        vt = np.ascontiguousarray(v.reshape(n, t, hkv, hd).transpose(0, 2, 1, 3))
+        out = np.matmul(p.reshape(n, hkv, g * t, t), vt)  # [n, Hkv, g*T, hd]
+        return np.ascontiguousarray(out.reshape(n, hkv, g, t, hd).transpose(0, 3, 1, 2, 4)
+                                    ).reshape(rows, hq, hd).astype(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class _FusedGroup(LinearGroup):
+    """A :class:`LinearGroup` with its members' rows stacked once (``fused [sum out_i,
+    in]``, ``fused_bias`` or None) and their row counts ``sizes``."""
+
+    fused: np.ndarray = None
+    fused_bias: np.ndarray | None = None
+    sizes: tuple = ()
+
+
+#: Calibration tokens run through one layer call (a GEMM of this many rows).
+CHUNK_TOKENS = 4096
+
+
+def _solver_pool():
+    """Worker threads with one BLAS thread each (:class:`~edgeinfer.backends.cpu.gemm.GemmPool`),
+    one per core (at most 4: a layer has four independent GPTQ solves)."""
+    from ..backends.cpu.gemm import GemmPool
+
+    return GemmPool(min(4, os.cpu_count() or 1))
 
 
 def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
                stats=None) -> np.ndarray | None:
     """Run layer ``i`` on every calibration sequence x [N, L, D] and return its output; with
-    ``stats``, only feed the captured linear inputs to ``stats(j, capture)`` (the layer's
-    last projection is skipped) and return None."""
+    ``stats``, only feed the captured linear inputs to ``stats(j, capture)`` (sequence
+    ``j``'s rows; the layer's last projection is skipped) and return None.
+
+    Sequences go through in chunks of ``CHUNK_TOKENS // L`` (one GEMM per linear per
+    chunk, :class:`CalibrationBackend`'s batched attention); each sequence's values are
+    those of running it alone up to BLAS blocking (the rows of a GEMM do not interact)."""
     names = layer_tensor_names(i)
     lw = upload_layer(be, {names[k]: v for k, v in tensors_short.items()}, i)
-    n, L, _ = x.shape
-    pos = np.arange(L, dtype=np.int32)
+    n, L, D = x.shape
+    per = max(1, CHUNK_TOKENS // L)
     y = np.empty_like(x) if stats is None else None
-    for j in range(n):
-        cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)
-        if stats is None:
-            y[j] = decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i)
-        else:
-            cap: dict = {}
-            decoder_layer(be, cfg, lw, x[j], pos, rope, cache, 0, i, capture=cap,
-                          capture_only=True)
-            stats(j, cap)
+    cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)  # never written
+    be.seq_len = L
+    try:
+        for j0 in range(0, n, per):
+            j1 = min(n, j0 + per)
+            pos = np.tile(np.arange(L, dtype=np.int32), j1 - j0)
+            xs = x[j0:j1].reshape(-1, D)
+            if stats is None:
+                y[j0:j1] = decoder_layer(be, cfg, lw, xs, pos, rope, cache, 0, i).reshape(-1, L, D)
+            else:
+                cap: dict = {}
+                decoder_layer(be, cfg, lw, xs, pos, rope, cache, 0, i, capture=cap,
+                              capture_only=True)
+                for j in range(j0, j1):
+                    r = (j - j0) * L
+                    stats(j, {k: a[r:r + L] for k, a in cap.items()})
+    finally:
+        be.seq_len = None
     return y
 
 
@@ -268,6 +338,17 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     """
     if method not in ("rtn", "awq", "gptq", "mse"):
         raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
+    pool = _solver_pool() if method == "gptq" else None
+    try:
+        return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
+                                n_search, on_layer, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order, n_search,
+                     on_layer, pool):
     cfg = source.config
     out: dict[str, Any] = {}
     info: dict = {"awq_alpha": {}}
@@ -321,14 +402,23 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
             _run_layer(be, cfg, lw, i, x, rope, stats)
             if method == "gptq":
                 q = dict(lw)
-                for cap_key, members in CAPTURE_GROUPS.items():
+                solved: dict[str, QuantizedTensor] = {}
+
+                def solve(cap_key, lw=lw, hs=hs, names=names, solved=solved):
+                    members = CAPTURE_GROUPS[cap_key]
                     w = np.concatenate([lw[m] for m in members], axis=0)
-                    qt = gptq_quantize(w, hs[cap_key].H, bits,
-                                       effective_group(w.shape[1], group_size), symmetric,
-                                       act_order=act_order, name=names[members[0]])
-                    for m, part in zip(members, split_rows(qt, [lw[m].shape[0] for m in members])):
+                    solved[cap_key] = gptq_quantize(
+                        w, hs[cap_key].H, bits, effective_group(w.shape[1], group_size),
+                        symmetric, act_order=act_order, name=names[members[0]])
+
+                # the four solves are independent: one per worker, one BLAS thread each
+                # (small LAPACK calls on a multi-threaded BLAS mostly wait for each other)
+                pool.run(solve, sorted(CAPTURE_GROUPS, key=lambda k: -hs[k].n_features))
+                for cap_key, members in CAPTURE_GROUPS.items():
+                    parts = split_rows(solved[cap_key], [lw[m].shape[0] for m in members])
+                    for m, part in zip(members, parts):
                         q[m] = part
-                del hs
+                del hs, solved
             elif method == "mse":  # each linear on its own, columns weighted by mean x²
                 q = dict(lw)
                 for cap_key, members in CAPTURE_GROUPS.items():

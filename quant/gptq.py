@@ -27,6 +27,7 @@ are clamped to the edge code). This is the rule tested in ``tests/test_awq_gptq.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -50,6 +51,10 @@ class Hessian:
         self._rows = 0
         self.batch_rows = batch_rows
         self.n = 0
+
+    @property
+    def n_features(self) -> int:
+        return self._sum.shape[0]
 
     def add(self, x: np.ndarray) -> None:
         """Accumulate inputs ``x [..., in]`` (any float dtype)."""
@@ -147,6 +152,45 @@ def hessian_factor(H: np.ndarray, perm: np.ndarray, percdamp: float) -> np.ndarr
     raise np.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with dampening")
 
 
+def _quantize_block_py(Wt, W0, Rb, S, Z, group_of, i1, i2, Qt, D):
+    """Quantize columns ``i1:i2`` (rows of the transposed weights) in place, one after
+    the other: column ``k`` gets the updates of the block's earlier columns,
+    ``w'_k = Wt_k + Σ_{i<k} Rb_ik D_i``, is rounded with its group's ``(S, Z)`` into
+    ``Qt_k``, and ``D_k = W0_k − (q − z) s`` (the original column minus its dequantized
+    value) feeds the next. All float32 [.., out]; compiled by numba (:func:`_block_kernel`).
+    The update sum runs over ``i`` in order; BLAS's matrix-vector product (the numpy form
+    of this loop) may associate it differently, so codes may differ in rare ties."""
+    out = Wt.shape[1]
+    acc = np.empty(out, np.float32)
+    lo, hi = np.float32(0.0), np.float32(15.0)
+    for i in range(i2 - i1):
+        j = i1 + i
+        gi = group_of[j]
+        acc[:] = np.float32(0.0)
+        for p in range(i):
+            c = Rb[p, i]
+            for o in range(out):
+                acc[o] += c * D[p, o]
+        for o in range(out):
+            s = S[gi, o]
+            z = Z[gi, o]
+            q = np.float32(np.rint((Wt[j, o] + acc[o]) / s)) + z
+            q = min(max(q, lo), hi)
+            Qt[j, o] = q
+            D[i, o] = W0[j, o] - (q - z) * s
+
+
+@functools.lru_cache(maxsize=1)
+def _block_kernel():
+    """:func:`_quantize_block_py` compiled by numba (cached on disk), or the Python
+    function itself where numba is unavailable (slow, same values)."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return _quantize_block_py
+    return numba.njit(cache=True, nogil=True)(_quantize_block_py)
+
+
 def _inner_block(g: int, act_order: bool) -> int:
     """Width of the column blocks (32): with dynamic groups it must divide ``g`` so every
     group starts a block (its columns are then current, see :func:`gptq_quantize`)."""
@@ -161,9 +205,9 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     """Quantize ``w [out, in]`` with GPTQ given the input Hessian ``H [in, in]``.
 
     Columns are processed in blocks of 32: inside a block, each column gets the updates of
-    the block's earlier columns (one matrix-vector product, :func:`hessian_factor`'s form)
-    before it is rounded; after the block, one GEMM updates every later column (the
-    paper's lazy batch update, §4). The result equals the column-by-column algorithm up to
+    the block's earlier columns (:func:`hessian_factor`'s form; one compiled call per
+    block, :func:`_quantize_block_py`) before it is rounded; after the block, one GEMM
+    updates every later column (the paper's lazy batch update, §4). The result equals the column-by-column algorithm up to
     float32 rounding; weights, factor and updates are float32 (as the reference
     implementation). Work is done on ``Wᵀ`` so a column is a contiguous row.
 
@@ -215,12 +259,11 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     Rt = hessian_factor(H, perm, percdamp)
     del H
     Wt = W0.copy()  # the columns with the updates of every finished block
-    group_of = perm // g
+    group_of = (perm // g).astype(np.int64)
     Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
     b = _inner_block(g, act_order)
     D = np.empty((b, out), np.float32)  # w - deq of the block's columns (original w)
-    q = np.empty(out, np.float32)
-    d = np.empty(out, np.float32)
+    quantize_block = _block_kernel()
     for i1 in range(0, n_in, b):
         i2 = min(i1 + b, n_in)
         if not act_order and i1 % g == 0:
@@ -232,20 +275,8 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
             cur = W0[i1:i3] + np.linalg.inv(Rt[i1:i3, i1:i3]).T @ (Wt[i1:i3] - W0[i1:i3])
             s, z = group_params(cur.T.astype(np.float64)[:, None, :], bits, symmetric)
             S[i1 // g], Z[i1 // g] = s[:, 0], z[:, 0]
-        Rb = Rt[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            gi = group_of[i1 + i]
-            s, z = S[gi], Z[gi]
-            # the column after this block's earlier columns: w'_k = w_k + Σ_i D_i R̃_ik
-            wcol = Wt[i1 + i] + Rb[:i, i] @ D[:i] if i else Wt[i1]
-            np.divide(wcol, s, out=q)
-            np.rint(q, out=q)
-            q += z
-            np.clip(q, 0.0, 15.0, out=q)
-            Qt[i1 + i] = q
-            np.subtract(q, z, out=d)  # d = w - (q - z) s, with the original w
-            d *= s
-            np.subtract(W0[i1 + i], d, out=D[i])
+        quantize_block(Wt, W0, np.ascontiguousarray(Rt[i1:i2, i1:i2]), S, Z, group_of, i1, i2,
+                       Qt, D)
         if i2 < n_in:
             Wt[i2:] += Rt[i1:i2, i2:].T @ D[:i2 - i1]
 

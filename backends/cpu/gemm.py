@@ -103,6 +103,10 @@ class GemmPool:
         for _ in self._pool.map(fn, items):
             pass
 
+    def close(self) -> None:
+        """Stop the worker threads (waits for running items)."""
+        self._pool.shutdown(wait=True)
+
 
 def gemm_quant(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None,
                pool: GemmPool) -> np.ndarray:
