@@ -1,7 +1,7 @@
 """The ``edgeinfer`` command: argument parsing and user-facing output only.
 
-Subcommands: pull, info, generate, chat, convert, perplexity, bench, serve, devices,
-list, rm, ps. Errors that
+Subcommands: pull, info, generate, chat, convert, export, perplexity, bench, serve,
+devices, list, rm, ps. Errors that
 edgeinfer raises on purpose print as one line (``error: ...``) with exit status 1.
 """
 from __future__ import annotations
@@ -342,6 +342,29 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from edgeinfer.catalog import resolve_model
+    from edgeinfer.quant.export_gptq import export_gptq
+
+    path = args.model
+    if not os.path.exists(path) and ":" in path:  # NAME:VARIANT of the models cache
+        path = str(resolve_model(path, progress=not args.quiet))
+    if not os.path.isfile(path) or not path.endswith(".eif"):
+        print(f"error: {args.model} is not an .eif file; export takes a converted model "
+              f"(edgeinfer convert MODEL --method gptq -o MODEL.eif, or NAME:gptq)",
+              file=sys.stderr)
+        return 2
+    report = export_gptq(path, args.output, overwrite=args.force)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        sym = "symmetric" if report["sym"] else "asymmetric"
+        print(f"wrote {report['out_dir']}: HF GPTQ folder ({report['n_quantized']} 4-bit linears, "
+              f"group {report['group_size']}, {sym}, v1 zero points; "
+              f"{report['bytes'] / 2**20:.1f} MiB of tensors)")
+    return 0
+
+
 def cmd_perplexity(args) -> int:
     from edgeinfer.perplexity import perplexity
 
@@ -649,6 +672,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("export", help="write a converted .eif in another format (HF GPTQ)")
+    s.add_argument("model", help=".eif file or NAME:VARIANT from the models cache")
+    s.add_argument("--format", choices=["gptq"], required=True,
+                   help="gptq: a Hugging Face GPTQ folder (v1 zero points, desc_act false) for "
+                        "transformers, vLLM, SGLang")
+    s.add_argument("--output", "-o", required=True, help="the folder to create")
+    s.add_argument("--force", "-f", action="store_true",
+                   help="replace a previous export in --output (other files are never deleted)")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("perplexity", help="perplexity on a text file (llama.cpp's method)")
     s.add_argument("model")

@@ -248,9 +248,10 @@ def _check_free_space(target: Path, size: int) -> None:
 
 # ---- signals --------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _remove_on_signal(tmp: str) -> Iterator[None]:
+def _remove_on_signal(tmp: str, remove=os.unlink) -> Iterator[None]:
     """While active (main thread only), SIGTERM / SIGHUP (and SIGINT when Python's handler
-    is not installed) remove ``tmp`` and then end the process by the same signal."""
+    is not installed) remove ``tmp`` (by ``remove``) and then end the process by the same
+    signal."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -258,7 +259,7 @@ def _remove_on_signal(tmp: str) -> Iterator[None]:
 
     def handler(signum, frame):  # runs between bytecodes on the main thread
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            remove(tmp)
         for s, h in previous.items():
             signal.signal(s, h)
         signal.raise_signal(signum)  # the default action: the process ends as it would have
@@ -349,3 +350,115 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False,
                     os.unlink(tmp)
     finally:
         os.close(fd)
+
+
+# ---- folders ------------------------------------------------------------------------------------
+def _inside(path: str, folder: Path) -> bool:
+    """``path`` (resolved through links) is ``folder`` or lies under it."""
+    try:
+        p, f = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    except OSError:
+        return False
+    return p == f or f in p.parents
+
+
+def sweep_stale_temp_dirs(folder: str | os.PathLike, prefix: str = TEMP_PREFIX) -> list[Path]:
+    """Remove the temporary folders ``<prefix><pid>-*.tmp`` in ``folder`` whose writer
+    process is gone (:func:`atomic_output_dir` after a SIGKILL); this process's and live
+    writers' folders are kept, errors ignored. Returns the removed paths."""
+    import shutil
+
+    removed = []
+    try:
+        candidates = [p for p in Path(folder).glob(f"{prefix}*{TEMP_SUFFIX}") if p.is_dir()
+                      and not p.is_symlink()]
+    except OSError:
+        return removed
+    for tmp in candidates:
+        pid = temp_file_pid(tmp.name, prefix)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False,
+                      inputs: Iterable[str | os.PathLike | None] = (),
+                      replaceable: Iterable[str] = (), what: str = "output folder (-o)",
+                      prefix: str = TEMP_PREFIX) -> Iterator[str]:
+    """Yield a temporary folder to fill; on success it becomes the folder ``path``.
+
+    The folder rules of :func:`atomic_output`: an existing ``path`` is refused unless
+    ``overwrite``, and even then only when it is a folder holding nothing but names in
+    ``replaceable`` (the files this writer makes: ``--force`` never deletes other files);
+    no input may lie inside it; the temporary folder ``<prefix><pid>-<random>.tmp`` beside
+    it is removed on failure, Ctrl-C, SIGTERM or SIGHUP, and renamed into place when
+    complete (a replaced folder is moved aside first, then deleted).
+
+    Raises:
+        OutputError: the target is a file, a link, non-empty with foreign files, exists
+            (without ``overwrite``), holds an input, or its parent folder is missing; an OS
+            error while writing or renaming. Nothing is left behind.
+    """
+    import shutil
+
+    inputs = [os.fspath(p) for p in inputs if p is not None]
+    target = Path(os.path.abspath(os.fspath(path)))
+    allowed = set(replaceable)
+
+    def check() -> bool:
+        """True when the target exists (and may be replaced)."""
+        if not target.parent.is_dir():
+            raise OutputError(f"{target.parent}: no such folder; create it or choose another "
+                              f"{what}", errno=_errno.ENOENT, filename=str(target))
+        for inp in inputs:
+            if _inside(inp, target):
+                raise OutputError(f"{path} holds the input {inp}; write the export to another "
+                                  f"folder (--force never replaces an input)",
+                                  errno=_errno.EEXIST, filename=str(target))
+        if os.path.islink(target) or (target.exists() and not target.is_dir()):
+            raise OutputError(f"{path} exists and is not a folder; choose another {what}",
+                              errno=_errno.EEXIST, filename=str(target))
+        if not target.exists():
+            return False
+        if not overwrite:
+            raise OutputError(f"{path} already exists; {_force_hint(what)}",
+                              errno=_errno.EEXIST, filename=str(target))
+        foreign = sorted(n for n in os.listdir(target) if n not in allowed)
+        if foreign:
+            raise OutputError(f"{path} holds files this export does not write "
+                              f"({', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}); "
+                              f"--force replaces only a previous export: choose an empty or new "
+                              f"{what}", errno=_errno.EEXIST, filename=str(target))
+        return True
+
+    check()
+    sweep_stale_temp_dirs(target.parent, prefix)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", suffix=TEMP_SUFFIX,
+                               dir=target.parent)
+    except OSError as e:
+        raise explain_os_error(e, target) from None
+    old = None
+    try:
+        with _remove_on_signal(tmp, remove=lambda p: shutil.rmtree(p, ignore_errors=True)):
+            try:
+                yield tmp
+                um = os.umask(0)
+                os.umask(um)
+                os.chmod(tmp, 0o777 & ~um)  # mkdtemp makes 0700
+                if check():  # it may have changed meanwhile
+                    old = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", suffix=TEMP_SUFFIX,
+                                           dir=target.parent)
+                    os.rename(target, os.path.join(old, "replaced"))
+                os.rename(tmp, target)
+            except OutputError:
+                raise
+            except OSError as e:
+                raise explain_os_error(e, target) from None
+    finally:
+        for p in (tmp, old):
+            if p is not None and os.path.isdir(p):  # tmp: only when not renamed into place
+                shutil.rmtree(p, ignore_errors=True)
