@@ -204,8 +204,7 @@ def _hf_config(source: ModelSource, group: int, sym: bool) -> dict:
     d["torch_dtype"] = "float16"
     d["quantization_config"] = {
         "quant_method": "gptq", "bits": BITS, "group_size": group, "desc_act": False,
-        "sym": sym, "checkpoint_format": "gptq", "true_sequential": True,
-        "static_groups": False, "damp_percent": 0.01,
+        "sym": sym, "checkpoint_format": "gptq", "lm_head": False,
     }
     return d
 

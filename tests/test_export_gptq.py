@@ -228,11 +228,14 @@ def test_tiny_qwen2_export_matches_edgeinfer(tmp_path):
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["torch_dtype"] == "float16"
     assert cfg["quantization_config"] == {
         "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
-        "checkpoint_format": "gptq", "true_sequential": True, "static_groups": False,
-        "damp_percent": 0.01}
+        "checkpoint_format": "gptq", "lm_head": False}
+    import transformers
     from tokenizers import Tokenizer
 
     ids = np.asarray(Tokenizer.from_file(str(out / "tokenizer.json")).encode(TEXT).ids)[:200]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))  # HF reads the folder
+    assert hf_tok.encode(TEXT, add_special_tokens=False)[:200] == ids.tolist()
+    assert hf_tok.eos_token == "<|endoftext|>"
     assert len(ids) >= 150
     agree, rel = _compare(eif, out, ids)
     assert agree >= 0.99, agree
