@@ -19,8 +19,10 @@ Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
   Memory: one layer's weights + the activations ``[n_seq, seq_len, hidden]`` + capture
   statistics. Inside a layer the inputs of o_proj / down_proj come from the float layer
   (not from quantized q/k/v), a documented simplification. The layer forwards run on
-  :class:`CalibrationBackend` (the reference ops, attention by BLAS matmuls). The lm_head
-  is never run during calibration.
+  :class:`CalibrationBackend` (the reference ops, attention by BLAS matmuls), many
+  sequences per call (:data:`CHUNK_TOKENS` rows per GEMM); GPTQ's four solves of a layer
+  run on worker threads with one BLAS thread each. The lm_head is never run during
+  calibration.
 
 Cost (profiled with py-spy): with the searches vectorized (see :mod:`.awq`, :mod:`.gptq`)
 the two forwards per layer dominate; ``n_seq x seq_len`` sets that cost linearly. The
