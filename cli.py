@@ -15,6 +15,7 @@ import sys
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.sampling import DEFAULTS
+from edgeinfer.speculative import SPECULATE_MODES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_DTYPE_CHOICES = ("int8", "f16", "f32", "int4", "k8v4")  # edgeinfer.backends.kvcache.ALL_KV_DTYPES
@@ -63,6 +64,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
                    type=float, default=None, help=f"1 = off {default('repetition_penalty')}")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_speculate_arg(p)
+
+
+def _add_speculate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", choices=list(SPECULATE_MODES), default="auto",
+                   help="prompt-lookup speculative decoding: n-gram drafts verified in one "
+                        "forward, the same tokens as without (default auto: on where exact)")
 
 
 def _sampling(args, model=None) -> dict:
@@ -172,6 +180,9 @@ def _print_stats(stats, stream=sys.stderr, interrupted: bool = False) -> None:
           f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
           f"ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} MiB, "
           f"peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
+    if stats.drafted:
+        print(f"[speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted "
+              f"({stats.accepted / stats.drafted:.0%})]", file=stream)
 
 
 # ---- subcommands -----------------------------------------------------------------------
@@ -246,7 +257,7 @@ def cmd_generate(args) -> int:
     final = None
     for ev in model.stream(args.prompt, parse_special=args.parse_special,
                            max_tokens=args.max_tokens, stop=args.stop,
-                           **constrained, **_sampling(args)):
+                           speculate=args.speculate, **constrained, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -266,7 +277,8 @@ def cmd_chat(args) -> int:
     _say(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
          f"{model.n_ctx} tokens). /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
     return run_chat(model, system=args.system, max_tokens=args.max_tokens, stop=args.stop,
-                    sampling=_sampling(args, model), print_stats=_print_stats,
+                    sampling={**_sampling(args, model), "speculate": args.speculate},
+                    print_stats=_print_stats,
                     compile_notice=_compile_notice)
 
 
@@ -481,7 +493,8 @@ def cmd_serve(args) -> int:
     with state:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
               log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
-              access_log=not args.quiet, limits=limits, on_listening=listening)
+              access_log=not args.quiet, limits=limits, on_listening=listening,
+              speculate=args.speculate)
     return 0
 
 
@@ -668,6 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $EDGEINFER_API_KEY, else no key)")
     s.add_argument("--model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model)")
+    _add_speculate_arg(s)
     s.add_argument("--max-tokens", "-n", type=int, default=None, metavar="N",
                    help="most tokens to generate for a request that sets no max_tokens "
                         "(default: unlimited, i.e. up to the end of the context, as OpenAI; "

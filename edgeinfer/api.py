@@ -31,6 +31,7 @@ from .memory import (
 )
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
+from .speculative import check_mode
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer")
@@ -319,7 +320,8 @@ class Model:
     # ---- generation ------------------------------------------------------------------
     def stream_ids(self, ids: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                    cancel: threading.Event | None = None, json_schema=None, grammar=None,
-                   leading_space: bool = True, **sampling) -> Iterator[GenerationEvent]:
+                   leading_space: bool = True, speculate: str = "auto",
+                   **sampling) -> Iterator[GenerationEvent]:
         """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
@@ -339,6 +341,11 @@ class Model:
         SentencePiece models whose decoder strips it (" there", as llama.cpp prints it);
         :meth:`chat_stream` passes False (a reply starts at its first character).
 
+        ``speculate``: "auto" (default) or "ngram" drafts tokens from n-grams of the
+        prompt and the output and verifies them in one forward where that is exact
+        (:mod:`edgeinfer.speculative`: the same tokens, greedy or seeded, as "off");
+        the final stats' ``drafted`` / ``accepted`` count the drafts.
+
         Every stream ends with one event whose ``finish_reason`` and ``stats`` are set
         (a stream cancelled before it started gets stats with 0 generated tokens).
 
@@ -348,19 +355,21 @@ class Model:
         the lock, and between prefill chunks, ``cancel`` is honoured.
 
         Raises:
-            ValueError: invalid sampling values or ``max_tokens`` < 1.
+            ValueError: invalid sampling values, ``max_tokens`` < 1 or an unknown
+                ``speculate``.
             ContextOverflowError: the prompt does not fit the context.
             GrammarError: an invalid ``json_schema`` / ``grammar``, or both given.
         """
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(**sampling)
+        check_mode(speculate)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = list(ids)
         self.engine.check_prompt(ids)
         constraint = self.constraint(as_grammar(json_schema, grammar))
         return self._locked_stream(ids, params, max_tokens, stop, cancel, constraint,
-                                   leading_space)
+                                   leading_space, speculate)
 
     def constraint(self, grammar: Grammar | None):
         """A fresh :class:`edgeinfer.constrained.Constraint` of ``grammar`` for this
@@ -373,7 +382,7 @@ class Model:
         return Constraint(token_table(self.tokenizer, vocab), grammar, vocab)
 
     def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None,
-                       leading_space=True):
+                       leading_space=True, speculate="auto"):
         while not self._lock.acquire(timeout=0.05):
             if cancel is not None and cancel.is_set():
                 yield GenerationEvent(finish_reason="cancelled", stats=GenerationStats(
@@ -382,7 +391,8 @@ class Model:
         try:
             yield from self.engine.stream(ids, params=params, max_tokens=max_tokens,
                                           stop=stop, cancel=cancel, constraint=constraint,
-                                          leading_space=leading_space)
+                                          leading_space=leading_space,
+                                          speculate=speculate)
         finally:
             self._lock.release()
 

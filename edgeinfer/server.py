@@ -82,6 +82,7 @@ from .server_requests import (
     parse_common,
     read_json,
 )
+from .speculative import check_mode
 from .server_fields import LogOnce, check_fields, get_response_format, get_tools
 from .server_stream import (
     EventStream,
@@ -138,8 +139,10 @@ class _Server:
     """The state behind one app: the model, its FIFO gate, counters."""
 
     def __init__(self, model, model_name: str, api_key: str | None,
-                 default_max_tokens: int | None = None, limits: ServerLimits | None = None):
+                 default_max_tokens: int | None = None, limits: ServerLimits | None = None,
+                 speculate: str = "auto"):
         self.model = model
+        self.speculate = speculate
         self.limits = limits or ServerLimits()
         self.live: set[Generation] = set()  # started, not finished (cancelled at shutdown)
         self.default_max_tokens = default_max_tokens
@@ -210,7 +213,8 @@ class _Server:
             req.max_tokens = min(req.max_tokens, self.model.n_ctx - len(ids))
         loop = asyncio.get_running_loop()
         gen = Generation(self.model, ids, req, loop,
-                         on_done=lambda finish: self._on_done(loop, gen, finish))
+                         on_done=lambda finish: self._on_done(loop, gen, finish),
+                         speculate=self.speculate)
         return gen
 
     def cancel_all(self) -> None:
@@ -460,7 +464,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def create_app(model, model_name: str, api_key: str | None = None,
                default_max_tokens: int | None = None,
-               limits: ServerLimits | None = None) -> Starlette:
+               limits: ServerLimits | None = None, speculate: str = "auto") -> Starlette:
     """Build the ASGI app serving ``model`` under the OpenAI API.
 
     Args:
@@ -472,21 +476,25 @@ def create_app(model, model_name: str, api_key: str | None = None,
         limits: request bounds (:class:`ServerLimits`; default: its defaults). The body
             size and time are enforced by the app; the head timeout needs the protocol of
             :func:`uvicorn_config`.
+        speculate: every request's speculative decoding mode ("auto", "ngram", "off":
+            :mod:`edgeinfer.speculative`; the same tokens either way).
 
     Returns:
         A Starlette app; ``app.state.counters`` (:class:`ServerCounters`) counts finished
         generations by outcome (``cancelled`` = the client disconnected).
 
     Raises:
-        ValueError: an empty ``model_name`` or ``api_key``, or ``default_max_tokens`` < 1.
+        ValueError: an empty ``model_name`` or ``api_key``, ``default_max_tokens`` < 1,
+            or an unknown ``speculate``.
     """
+    check_mode(speculate)
     if default_max_tokens is not None and default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be None or >= 1, got {default_max_tokens}")
     if not model_name:
         raise ValueError("model_name must be a non-empty string")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None (no authentication) or a non-empty string")
-    srv = _Server(model, model_name, api_key, default_max_tokens, limits)
+    srv = _Server(model, model_name, api_key, default_max_tokens, limits, speculate)
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
@@ -575,7 +583,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
           model_name: str | None = None, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           default_max_tokens: int | None = None, access_log: bool = True,
-          limits: ServerLimits | None = None) -> None:
+          limits: ServerLimits | None = None, speculate: str = "auto") -> None:
     """Serve ``model`` over HTTP until interrupted (blocks; Ctrl-C stops it).
 
     Args:
@@ -591,9 +599,11 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         access_log: print one line per request on stderr (see the module policy).
         limits: request bounds (:class:`ServerLimits`: body size, head/body timeouts,
             JSON depth); default: its defaults.
+        speculate: speculative decoding mode of every request (:func:`create_app`).
 
     Raises:
-        ValueError: a port out of range, or an empty ``model_name``/``api_key``.
+        ValueError: a port out of range, an empty ``model_name``/``api_key``, an
+            unknown ``speculate``.
         ServeError: the address cannot be bound (port in use, unknown host).
     """
     import uvicorn
@@ -602,7 +612,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     name = model_name or default_model_name(model)
     limits = limits or ServerLimits()
-    app = create_app(model, name, api_key, default_max_tokens, limits)
+    app = create_app(model, name, api_key, default_max_tokens, limits, speculate)
     _setup_access_log(access_log)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use "
