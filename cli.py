@@ -70,7 +70,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
 def _add_speculate_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", choices=list(SPECULATE_MODES), default="auto",
                    help="prompt-lookup speculative decoding: n-gram drafts verified in one "
-                        "forward, the same tokens as without (default auto: on where exact)")
+                        "forward, the same tokens as without (default auto: where exact and "
+                        "while it pays; ngram: where exact)")
 
 
 def _sampling(args, model=None) -> dict:

@@ -341,10 +341,11 @@ class Model:
         SentencePiece models whose decoder strips it (" there", as llama.cpp prints it);
         :meth:`chat_stream` passes False (a reply starts at its first character).
 
-        ``speculate``: "auto" (default) or "ngram" drafts tokens from n-grams of the
-        prompt and the output and verifies them in one forward where that is exact
-        (:mod:`edgeinfer.speculative`: the same tokens, greedy or seeded, as "off");
-        the final stats' ``drafted`` / ``accepted`` count the drafts.
+        ``speculate``: "ngram" drafts tokens from n-grams of the prompt and the output
+        and verifies them in one forward where that is exact; "auto" (default) does so
+        while it pays by measured time; "off" never (:mod:`edgeinfer.speculative`: the
+        same tokens, greedy or seeded, in every mode). The final stats' ``drafted`` /
+        ``accepted`` count the drafts.
 
         Every stream ends with one event whose ``finish_reason`` and ``stats`` are set
         (a stream cancelled before it started gets stats with 0 generated tokens).

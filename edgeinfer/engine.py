@@ -272,9 +272,10 @@ class Engine:
             leading_space: keep the space that begins the first word where a
                 SentencePiece decoder strips it (a completion of "Once upon a time,"
                 starts " there", as llama.cpp prints it); chat replies pass False.
-            speculate: "auto" (default) or "ngram": prompt-lookup speculative decoding
-                where it is exact (:mod:`edgeinfer.speculative`; the same tokens as
-                without it); "off": one decode step per token.
+            speculate: "ngram": prompt-lookup speculative decoding where it is exact
+                (:mod:`edgeinfer.speculative`; the same tokens as without it); "auto"
+                (default): the same, while it pays by measured time; "off": one
+                decode step per token.
 
         Raises:
             ValueError: an unknown ``speculate``.
@@ -296,7 +297,7 @@ class Engine:
         stats.prefill_tok_s = (len(prompt_ids) - reused) / max(t_prefill, 1e-9)
         spec = None
         if logits is not None and spec_reason is None:
-            spec = Speculator(self, prompt_ids, max_tokens)
+            spec = Speculator(self, prompt_ids, max_tokens, mode=speculate)
         sampler = None
         step_times: list[float] = []
         finish = None

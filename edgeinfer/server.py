@@ -82,7 +82,6 @@ from .server_requests import (
     parse_common,
     read_json,
 )
-from .speculative import check_mode
 from .server_fields import LogOnce, check_fields, get_response_format, get_tools
 from .server_stream import (
     EventStream,
@@ -93,6 +92,7 @@ from .server_stream import (
     usage_of,
     wait_disconnect,
 )
+from .speculative import check_mode
 
 __all__ = ["APIError", "ServeError", "ServerCounters", "ServerLimits", "create_app",
            "default_model_name", "serve", "uvicorn_config"]

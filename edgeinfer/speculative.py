@@ -40,12 +40,15 @@ without an n-gram match costs a dict lookup. When the acceptance over the last
 of tokens that doubles on each consecutive pause (from :data:`PAUSE_START` up to
 :data:`PAUSE_MAX`) and resets after a window that pays.
 
-Modes: ``"ngram"`` and ``"auto"`` draft (auto is the default: the same as ngram for one
-stream; a batched scheduler passes ``"off"``), ``"off"`` never does.
+Modes: ``"ngram"`` drafts whenever that policy allows; ``"auto"`` (the default) also
+only while a verify pays by measured time (:class:`CostModel`: the M = k + 1 forward's
+cost against a decode step's, with the acceptance rate); ``"off"`` never drafts. A
+batched scheduler passes ``"off"``. The tokens are the same in every mode.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -63,6 +66,9 @@ WINDOW = 8
 MIN_ACCEPT_RATE = 0.25
 PAUSE_START = 16
 PAUSE_MAX = 512
+PRIOR_SLOPE = 0.15
+EMA = 0.3
+EXPLORE = 16
 
 _UNSET = object()
 
@@ -180,6 +186,57 @@ class DraftPolicy:
                 self.pause = PAUSE_START
 
 
+class CostModel:
+    """``auto``'s check that a verify pays, from measured times (seconds).
+
+    A decode step costs ``c1`` and a verify of M = k + 1 tokens ``c1 + b * k`` (both
+    exponential moving averages of measurements; until a verify is timed,
+    ``b = PRIOR_SLOPE * c1``). With a per-draft acceptance probability ``alpha`` (the
+    accepted / (accepted + rejections) of the last :data:`WINDOW` verifies, prior 2/3),
+    a verify of k drafts yields ``(1 - alpha**(k+1)) / (1 - alpha)`` tokens on average
+    (Leviathan et al. 2023, eq. 1). :meth:`best_k` is the k <= ``k_cap`` that maximizes
+    tokens per second, or 0 when none beats plain decoding (1 / c1). Every
+    :data:`EXPLORE`-th refusal drafts anyway, so that alpha and b follow the text and
+    the machine. Only speed depends on this: the tokens are the same either way.
+    """
+
+    def __init__(self):
+        self.c1: float | None = None
+        self.b: float | None = None
+        self.window: deque = deque(maxlen=WINDOW)  # (accepted, rejected) per verify
+        self.refused = 0
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else old + EMA * (new - old)
+
+    def decode_time(self, dt: float) -> None:
+        self.c1 = self._ema(self.c1, dt)
+
+    def verify_time(self, k: int, dt: float, accepted: int) -> None:
+        if self.c1 is not None:
+            self.b = self._ema(self.b, max(0.0, dt - self.c1) / k)
+        self.window.append((accepted, int(accepted < k)))
+
+    def best_k(self, k_cap: int) -> int:
+        if self.c1 is None:
+            return 0  # time a decode step first
+        a = 2 + sum(w[0] for w in self.window)
+        r = 1 + sum(w[1] for w in self.window)
+        alpha = a / (a + r)
+        b = PRIOR_SLOPE * self.c1 if self.b is None else self.b
+        best, best_rate = 0, 1.0 / self.c1
+        for k in range(K_MIN, k_cap + 1):
+            rate = (1 - alpha ** (k + 1)) / (1 - alpha) / (self.c1 + b * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self.refused += 1
+            if self.refused % EXPLORE == 0:
+                return min(K_MIN, k_cap)
+        return best
+
+
 class Speculator:
     """Supplies :meth:`edgeinfer.engine.Engine.stream`'s next logits, drafting and
     verifying ahead; the engine samples, checks and emits as in plain decoding.
@@ -193,13 +250,19 @@ class Speculator:
         prompt_ids: the prompt (drafts are looked up in it).
         max_tokens: the stream's token limit (no draft past it).
         k_max: most drafts per verify.
+        mode: "ngram" (draft whenever the policy allows) or "auto" (also only when
+            :class:`CostModel` says a verify pays).
+        clock: seconds (``time.perf_counter``), for ``auto``'s cost model.
 
     Attributes:
         drafted, accepted: draft ids verified / accepted so far.
     """
 
-    def __init__(self, engine, prompt_ids: Sequence[int], max_tokens: int, k_max: int = K_MAX):
+    def __init__(self, engine, prompt_ids: Sequence[int], max_tokens: int, k_max: int = K_MAX,
+                 mode: str = "ngram", clock=time.perf_counter):
         self.engine = engine
+        self.cost = CostModel() if mode == "auto" else None
+        self.clock = clock
         self.index = NgramIndex(prompt_ids)
         self.policy = DraftPolicy(min(k_max, engine.prefill_chunk - 1))
         self.left = max_tokens  # tokens still to be sampled
@@ -207,6 +270,7 @@ class Speculator:
         self._rows: np.ndarray | None = None  # logits [k + 1, V] of the last verify
         self._drafts: list[int] = []
         self._i = 0  # drafts of the last verify accepted so far
+        self._t_verify = 0.0  # seconds the last verify took (auto)
 
     @property
     def length(self) -> int:
@@ -229,10 +293,18 @@ class Speculator:
                 return row
             self._rollback()
         drafts = self._draft()
+        cost = self.cost
         if not drafts:
-            return eng.decode_one(token)
+            if cost is None:
+                return eng.decode_one(token)
+            t0 = self.clock()
+            row = eng.decode_one(token)
+            cost.decode_time(self.clock() - t0)
+            return row
         feed = np.asarray([token, *drafts], np.int32)
+        t0 = self.clock() if cost is not None else 0.0
         self._rows = eng.model.forward(feed, eng.cache, all_logits=True)
+        self._t_verify = self.clock() - t0 if cost is not None else 0.0
         self._drafts = drafts
         self._i = 0
         self.drafted += len(drafts)
@@ -249,11 +321,17 @@ class Speculator:
             k = min(k, eng._switch - eng.cache.length - 1)  # stay below LongRoPE's switch
         if k < K_MIN:
             return []
+        if self.cost is not None:
+            k = self.cost.best_k(k)
+            if k < K_MIN:
+                return []
         drafts = self.index.draft(k)
         return drafts if len(drafts) >= K_MIN else []
 
     def _finish_verify(self) -> None:
         self.policy.update(len(self._drafts), self._i)
+        if self.cost is not None:
+            self.cost.verify_time(len(self._drafts), self._t_verify, self._i)
         self._rows = None
 
     def _rollback(self) -> None:

@@ -19,11 +19,13 @@ from edgeinfer import api
 from edgeinfer.sampling import Sampler, SamplingParams, make_rng
 from edgeinfer.sampling_steps import min_p_filter, top_k_filter, top_p_filter
 from edgeinfer.speculative import (
+    EXPLORE,
     K_MAX,
     K_MIN,
     K_START,
     PAUSE_START,
     WINDOW,
+    CostModel,
     DraftPolicy,
     NgramIndex,
     exactness_problem,
@@ -104,6 +106,59 @@ def test_draft_policy_grows_shrinks_and_pauses():
     for _ in range(WINDOW):
         p.update(4, 0)
     assert p.paused == 2 * PAUSE_START        # consecutive pauses double
+
+
+def test_cost_model_drafts_only_where_it_pays():
+    cm = CostModel()
+    assert cm.best_k(8) == 0                  # no decode step timed yet
+    cm.decode_time(0.010)
+    assert cm.best_k(8) >= K_MIN              # prior: a verify row costs 0.15 of a step
+    for _ in range(WINDOW):                   # expensive verifies, nothing accepted
+        cm.verify_time(4, 0.040, 0)
+    assert cm.b == pytest.approx(0.0075)
+    refusals = [cm.best_k(8) for _ in range(2 * EXPLORE)]
+    assert refusals.count(0) == 2 * EXPLORE - 2 and refusals.count(K_MIN) == 2  # explores
+    cm = CostModel()
+    cm.decode_time(0.010)
+    for _ in range(WINDOW):                   # cheap rows, long accepted runs: large k
+        cm.verify_time(8, 0.012, 8)
+    assert cm.best_k(12) == 12 and cm.best_k(5) == 5
+
+
+class _ModelClock:
+    """Fake seconds: a decode step costs 1, a verify 1 + ``row`` per extra token
+    (read off the cache length between the calls around a forward)."""
+
+    def __init__(self, engine, row):
+        self.engine, self.row, self.t, self.last = engine, row, 0.0, 0
+
+    def __call__(self):
+        n = self.engine.cache.length
+        self.t += 1 + self.row * max(0, n - self.last - 1)
+        self.last = n
+        return self.t
+
+
+def test_auto_follows_cost_same_tokens(stories_src, monkeypatch):
+    """auto drafts while verifies are cheap and mostly stops when they are dear; the
+    tokens are those of "off" either way."""
+    from edgeinfer import speculative
+
+    model = _model(stories_src, "int8")
+    ids = model.encode_prompt(PROMPT)
+    off, _ = _run(model, ids, "off", max_tokens=120)
+    orig = speculative.Speculator.__init__
+    drafted = {}
+    for row in (0.01, 5.0):
+        def init(self, engine, *a, _row=row, **kw):
+            orig(self, engine, *a, **kw)
+            self.clock = _ModelClock(engine, _row)
+
+        monkeypatch.setattr(speculative.Speculator, "__init__", init)
+        on, fin = _run(model, ids, "auto", max_tokens=120)
+        assert on == off
+        drafted[row] = fin.stats.drafted
+    assert drafted[0.01] > 3 * max(drafted[5.0], 1)
 
 
 # ---- the rejection rule --------------------------------------------------------------
@@ -187,7 +242,7 @@ def test_seeded_sampling_identical_with_penalties(stories_src, kv):
         kw = dict(max_tokens=60, temperature=0.7, top_k=30, top_p=0.95, min_p=0.02,
                   repetition_penalty=1.1, seed=seed)
         off, _ = _run(model, ids, "off", **kw)
-        on, fin = _run(model, ids, "auto", **kw)
+        on, fin = _run(model, ids, "ngram", **kw)
         assert on == off, seed
         outs.add(tuple(off))
         drafted += fin.stats.drafted
@@ -263,7 +318,7 @@ def test_cancel_mid_speculation(stories_src):
 def test_stats_count_drafts(stories_src):
     model = _model(stories_src, "int8")
     ids = model.encode_prompt(PROMPT * 3)
-    _, fin = _run(model, ids, "auto", max_tokens=100)
+    _, fin = _run(model, ids, "ngram", max_tokens=100)
     st = fin.stats
     assert st.drafted >= st.accepted > 0 and st.as_dict()["drafted"] == st.drafted
     _, fin = _run(model, ids, "off", max_tokens=100)
