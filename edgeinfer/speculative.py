@@ -1,7 +1,8 @@
 """Prompt-lookup speculative decoding: n-gram drafts verified in one forward.
 
-Drafts (prompt lookup, Saxena 2023, https://github.com/apoorvumang/prompt-lookup-decoding;
-llama.cpp's n-gram drafts, https://github.com/ggml-org/llama.cpp/pull/4484): the last
+Drafts (prompt lookup, Saxena 2023,
+https://github.com/apoorvumang/prompt-lookup-decoding; llama.cpp's n-gram drafts,
+https://github.com/ggml-org/llama.cpp/tree/master/examples/lookup): the last
 ``n`` ids of the sequence (``n`` from :data:`NGRAM_MAX` down to 1) are looked up among
 earlier n-grams of the prompt and of the text generated so far; the ids that followed
 the most recent earlier occurrence are the draft.
@@ -18,11 +19,14 @@ d removed); sampling x ~ p and accepting iff x == d realizes that rule exactly (
 x != d, x is distributed as p without d, renormalized). So the output distribution is
 unchanged, greedy output is the longest matching prefix plus the model's own next
 token, and a seeded request gives the same tokens with and without speculation. After a
-rejection the KV cache is trimmed back (``cache.trim``) to the accepted tokens.
+rejection the KV cache is trimmed back (``cache.trim``) to the accepted tokens. A
+sliding-window (ring) layer keeps the keys a trim needs because k + 1 <= the prefill
+chunk its ring was sized for; a LongRoPE model does not verify across its switch length
+(the engine's decode step re-runs the sequence there).
 
 This is exact only where the verify forward's logits of each position are bit-identical
 to a decode step's. :func:`exactness_problem` says where that is not proven, and
-speculation is then off (logged once per reason):
+speculation is then off (logged once per engine):
 
 * the CPU backend with quantized linears: the integer GEMV/GEMM rows do not depend on M
   (``backends/cpu/qgemm.py``, ``tests/test_cache_invariance.py``); int4 KV too, since
