@@ -176,14 +176,13 @@ def _compile_notice(model) -> None:
 def _print_stats(stats, stream=sys.stderr, interrupted: bool = False) -> None:
     if interrupted:
         print(f"[interrupted after {stats.generated_tokens} tokens]", file=stream)
+    spec = (f" ({stats.accepted}/{stats.drafted} speculative drafts accepted)"
+            if stats.drafted else "")
     print(f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
           f"{stats.generated_tokens} generated; TTFT {stats.ttft_s * 1000:.0f} ms, "
-          f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
-          f"ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} MiB, "
-          f"peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
-    if stats.drafted:
-        print(f"[speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted "
-              f"({stats.accepted / stats.drafted:.0%})]", file=stream)
+          f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s"
+          f"{spec}, ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} "
+          f"MiB, peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
 
 
 # ---- subcommands -----------------------------------------------------------------------

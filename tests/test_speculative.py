@@ -371,3 +371,17 @@ def test_greedy_identical_smollm2(smollm2_gguf, kv):
     assert on == off and fin_on.finish_reason == fin_off.finish_reason
     assert fin_on.stats.accepted > 0
     assert _cache_bytes(model) == cache_off
+
+
+def test_cli_and_server_take_the_mode():
+    import cli
+    from edgeinfer.server import create_app
+
+    p = cli.build_parser()
+    for cmd in (["generate", "-p", "x"], ["chat"], ["serve"]):
+        assert p.parse_args(cmd).speculate == "auto"
+        assert p.parse_args([*cmd, "--speculate", "off"]).speculate == "off"
+        with pytest.raises(SystemExit):
+            p.parse_args([*cmd, "--speculate", "maybe"])
+    with pytest.raises(ValueError, match="speculate must be one of"):
+        create_app(None, "m", speculate="maybe")
