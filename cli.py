@@ -15,6 +15,7 @@ import sys
 
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.sampling import DEFAULTS
+from edgeinfer.speculative import SPECULATE_MODES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_DTYPE_CHOICES = ("int8", "f16", "f32", "int4", "k8v4")  # edgeinfer.backends.kvcache.ALL_KV_DTYPES
@@ -63,6 +64,14 @@ def _add_sampling_args(p: argparse.ArgumentParser, chat: bool) -> None:
                    type=float, default=None, help=f"1 = off {default('repetition_penalty')}")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_speculate_arg(p)
+
+
+def _add_speculate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", choices=list(SPECULATE_MODES), default="auto",
+                   help="prompt-lookup speculative decoding: n-gram drafts verified in one "
+                        "forward, the same tokens as without (default auto: where exact and "
+                        "while it pays; ngram: where exact)")
 
 
 def _sampling(args, model=None) -> dict:
@@ -185,11 +194,13 @@ def _compile_notice(model) -> None:
 def _print_stats(stats, stream=sys.stderr, interrupted: bool = False) -> None:
     if interrupted:
         print(f"[interrupted after {stats.generated_tokens} tokens]", file=stream)
+    spec = (f" ({stats.accepted}/{stats.drafted} speculative drafts accepted)"
+            if stats.drafted else "")
     print(f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
           f"{stats.generated_tokens} generated; TTFT {stats.ttft_s * 1000:.0f} ms, "
-          f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
-          f"ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} MiB, "
-          f"peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
+          f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s"
+          f"{spec}, ITL p90 {stats.itl_p90_s * 1000:.1f} ms, KV {stats.kv_bytes / 2**20:.1f} "
+          f"MiB, peak RSS {stats.peak_rss_mb:.0f} MiB]", file=stream)
 
 
 # ---- subcommands -----------------------------------------------------------------------
@@ -264,7 +275,7 @@ def cmd_generate(args) -> int:
     final = None
     for ev in model.stream(args.prompt, parse_special=args.parse_special,
                            max_tokens=args.max_tokens, stop=args.stop,
-                           **constrained, **_sampling(args)):
+                           speculate=args.speculate, **constrained, **_sampling(args)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -284,7 +295,8 @@ def cmd_chat(args) -> int:
     _say(f"edgeinfer chat: {args.model} ({model.backend.name} backend, context "
          f"{model.n_ctx} tokens). /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
     return run_chat(model, system=args.system, max_tokens=args.max_tokens, stop=args.stop,
-                    sampling=_sampling(args, model), print_stats=_print_stats,
+                    sampling={**_sampling(args, model), "speculate": args.speculate},
+                    print_stats=_print_stats,
                     compile_notice=_compile_notice)
 
 
@@ -534,7 +546,7 @@ def cmd_serve(args) -> int:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
               log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,
               access_log=not args.quiet, limits=limits, on_listening=listening,
-              queue_limit=args.queue_limit)
+              queue_limit=args.queue_limit, speculate=args.speculate)
     return 0
 
 
@@ -733,6 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $EDGEINFER_API_KEY, else no key)")
     s.add_argument("--model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model)")
+    _add_speculate_arg(s)
     s.add_argument("--max-tokens", "-n", type=int, default=None, metavar="N",
                    help="most tokens to generate for a request that sets no max_tokens "
                         "(default: unlimited, i.e. up to the end of the context, as OpenAI; "

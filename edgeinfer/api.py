@@ -31,6 +31,7 @@ from .memory import (
 )
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
+from .speculative import check_mode
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer")
@@ -335,7 +336,8 @@ class Model:
     # ---- generation ------------------------------------------------------------------
     def stream_ids(self, ids: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                    cancel: threading.Event | None = None, json_schema=None, grammar=None,
-                   leading_space: bool = True, **sampling) -> Iterator[GenerationEvent]:
+                   leading_space: bool = True, speculate: str = "auto",
+                   **sampling) -> Iterator[GenerationEvent]:
         """Stream events for a prompt given as token ids (see :class:`GenerationEvent`).
 
         ``sampling`` keys are :class:`SamplingParams` fields (temperature, top_k, top_p,
@@ -355,6 +357,12 @@ class Model:
         SentencePiece models whose decoder strips it (" there", as llama.cpp prints it);
         :meth:`chat_stream` passes False (a reply starts at its first character).
 
+        ``speculate``: "ngram" drafts tokens from n-grams of the prompt and the output
+        and verifies them in one forward where that is exact; "auto" (default) does so
+        while it pays by measured time; "off" never (:mod:`edgeinfer.speculative`: the
+        same tokens, greedy or seeded, in every mode). The final stats' ``drafted`` /
+        ``accepted`` count the drafts.
+
         Every stream ends with one event whose ``finish_reason`` and ``stats`` are set
         (a stream cancelled before it started gets stats with 0 generated tokens).
 
@@ -364,19 +372,21 @@ class Model:
         the lock, and between prefill chunks, ``cancel`` is honoured.
 
         Raises:
-            ValueError: invalid sampling values or ``max_tokens`` < 1.
+            ValueError: invalid sampling values, ``max_tokens`` < 1 or an unknown
+                ``speculate``.
             ContextOverflowError: the prompt does not fit the context.
             GrammarError: an invalid ``json_schema`` / ``grammar``, or both given.
         """
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(**sampling)
+        check_mode(speculate)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = list(ids)
         self.engine.check_prompt(ids)
         constraint = self.constraint(as_grammar(json_schema, grammar))
         return self._locked_stream(ids, params, max_tokens, stop, cancel, constraint,
-                                   leading_space)
+                                   leading_space, speculate)
 
     def constraint(self, grammar: Grammar | None):
         """A fresh :class:`edgeinfer.constrained.Constraint` of ``grammar`` for this
@@ -396,12 +406,12 @@ class Model:
         return held_slot(self.pool, 0)
 
     def _locked_stream(self, ids, params, max_tokens, stop, cancel, constraint=None,
-                       leading_space=True):
-        if self.pool is not None:
+                       leading_space=True, speculate="auto"):
+        if self.pool is not None:  # batched decode steps: no speculation (it would not pay)
             from .batching import pooled_stream
             yield from pooled_stream(self.pool, ids, cancel, params=params,
                                      max_tokens=max_tokens, stop=stop, constraint=constraint,
-                                     leading_space=leading_space)
+                                     leading_space=leading_space, speculate="off")
             return
         while not self._lock.acquire(timeout=0.05):
             if cancel is not None and cancel.is_set():
@@ -411,7 +421,8 @@ class Model:
         try:
             yield from self.engine.stream(ids, params=params, max_tokens=max_tokens,
                                           stop=stop, cancel=cancel, constraint=constraint,
-                                          leading_space=leading_space)
+                                          leading_space=leading_space,
+                                          speculate=speculate)
         finally:
             self._lock.release()
 

@@ -188,7 +188,7 @@ def run_chat(model, *, system: str | None, max_tokens: int, stop: list[str], sam
         system: the system prompt, or None.
         max_tokens: most tokens per answer.
         stop: stop strings.
-        sampling: :class:`edgeinfer.sampling.SamplingParams` fields.
+        sampling: :class:`edgeinfer.sampling.SamplingParams` fields (and ``speculate``).
         print_stats: ``print_stats(stats, stream, interrupted=...)``.
         compile_notice: called with the model before each answer (says when the CPU
             kernels compile).

@@ -34,6 +34,7 @@ from .backends.kvformat import KSTAT_POSITIONS
 from .detokenizer import StreamingDetokenizer
 from .errors import ContextOverflowError
 from .sampling import Sampler, SamplingParams
+from .speculative import Speculator, speculation_problem
 from .stopping import StopChecker, stop_strings_to_ids
 from .tokenizer import Tokenizer
 
@@ -54,6 +55,8 @@ class GenerationStats:
         peak_rss_mb: the process's peak resident memory, MiB.
         dropped_turns: oldest whole turns a chat dropped to fit the context
             (:meth:`edgeinfer.api.Model.chat_stream`); 0 otherwise.
+        drafted / accepted: speculative draft ids verified / accepted
+            (:mod:`edgeinfer.speculative`); 0 without speculation.
     """
 
     prompt_tokens: int = 0
@@ -67,6 +70,8 @@ class GenerationStats:
     kv_bytes: int = 0
     peak_rss_mb: float = 0.0
     dropped_turns: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -257,7 +262,8 @@ class Engine:
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                max_tokens: int = 256, stop: Sequence[str] = (),
                cancel: threading.Event | None = None,
-               constraint=None, leading_space: bool = True) -> Iterator[GenerationEvent]:
+               constraint=None, leading_space: bool = True,
+               speculate: str = "auto") -> Iterator[GenerationEvent]:
         """Generate from ``prompt_ids``, yielding events (see :class:`GenerationEvent`).
 
         Args:
@@ -272,12 +278,18 @@ class Engine:
             leading_space: keep the space that begins the first word where a
                 SentencePiece decoder strips it (a completion of "Once upon a time,"
                 starts " there", as llama.cpp prints it); chat replies pass False.
+            speculate: "ngram": prompt-lookup speculative decoding where it is exact
+                (:mod:`edgeinfer.speculative`; the same tokens as without it); "auto"
+                (default): the same, while it pays by measured time; "off": one
+                decode step per token.
 
         Raises:
+            ValueError: an unknown ``speculate``.
             ContextOverflowError: the prompt does not fit the context.
             GrammarError: the constraint failed (a grammar limit).
         """
         params = params or SamplingParams(temperature=0.0)
+        spec_reason = speculation_problem(self, speculate)
         rng = np.random.default_rng(params.seed)
         tok = self.tokenizer
         detok = StreamingDetokenizer(tok, leading_space=leading_space)
@@ -289,6 +301,9 @@ class Engine:
         stats.reused_tokens = reused
         t_prefill = time.perf_counter() - t0
         stats.prefill_tok_s = (len(prompt_ids) - reused) / max(t_prefill, 1e-9)
+        spec = None
+        if logits is not None and spec_reason is None:
+            spec = Speculator(self, prompt_ids, max_tokens, mode=speculate)
         sampler = None
         step_times: list[float] = []
         finish = None
@@ -325,10 +340,13 @@ class Engine:
             finish = finish or finish_text
             if finish is not None:
                 break
-            if self.cache.length >= self.n_ctx:
+            if (self.cache.length if spec is None else spec.length) >= self.n_ctx:
                 finish = "length"
                 break
-            logits = self.decode_one(token)
+            logits = self.decode_one(token) if spec is None else spec.next_logits(token)
+        if spec is not None:
+            spec.close()
+            stats.drafted, stats.accepted = spec.drafted, spec.accepted
         if sampler is not None:
             self._sampler = sampler
         if finish != "stop" or not stopper.stopped_by_string:

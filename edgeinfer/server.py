@@ -102,6 +102,7 @@ from .server_stream import (
     usage_of,
     wait_disconnect,
 )
+from .speculative import check_mode
 
 __all__ = ["APIError", "ServeError", "ServerCounters", "ServerLimits", "create_app",
            "default_model_name", "serve", "uvicorn_config"]
@@ -149,8 +150,9 @@ class _Server:
 
     def __init__(self, model, model_name: str, api_key: str | None,
                  default_max_tokens: int | None = None, limits: ServerLimits | None = None,
-                 queue_limit: int = DEFAULT_QUEUE_LIMIT):
+                 queue_limit: int = DEFAULT_QUEUE_LIMIT, speculate: str = "auto"):
         self.model = model
+        self.speculate = speculate
         pool = getattr(model, "pool", None)
         self.parallel = pool.n if pool is not None else 1
         self.queue_limit = int(queue_limit)
@@ -230,7 +232,8 @@ class _Server:
             req.max_tokens = min(req.max_tokens, self.model.n_ctx - len(ids))
         loop = asyncio.get_running_loop()
         gen = Generation(self.model, ids, req, loop,
-                         on_done=lambda finish: self._on_done(loop, gen, finish))
+                         on_done=lambda finish: self._on_done(loop, gen, finish),
+                         speculate=self.speculate)
         return gen
 
     def cancel_all(self) -> None:
@@ -481,7 +484,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def create_app(model, model_name: str, api_key: str | None = None,
                default_max_tokens: int | None = None,
                limits: ServerLimits | None = None,
-               queue_limit: int = DEFAULT_QUEUE_LIMIT) -> Starlette:
+               queue_limit: int = DEFAULT_QUEUE_LIMIT, speculate: str = "auto") -> Starlette:
     """Build the ASGI app serving ``model`` under the OpenAI API.
 
     Args:
@@ -494,14 +497,18 @@ def create_app(model, model_name: str, api_key: str | None = None,
             size and time are enforced by the app; the head timeout needs the protocol of
             :func:`uvicorn_config`.
         queue_limit: requests that may wait for a free slot; past it, 503 + Retry-After.
+        speculate: every request's speculative decoding mode ("auto", "ngram", "off":
+            :mod:`edgeinfer.speculative`; the same tokens either way).
 
     Returns:
         A Starlette app; ``app.state.counters`` (:class:`ServerCounters`) counts finished
         generations by outcome (``cancelled`` = the client disconnected).
 
     Raises:
-        ValueError: an empty ``model_name`` or ``api_key``, or ``default_max_tokens`` < 1.
+        ValueError: an empty ``model_name`` or ``api_key``, ``default_max_tokens`` < 1,
+            or an unknown ``speculate``.
     """
+    check_mode(speculate)
     if default_max_tokens is not None and default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be None or >= 1, got {default_max_tokens}")
     if not model_name:
@@ -510,7 +517,8 @@ def create_app(model, model_name: str, api_key: str | None = None,
         raise ValueError("api_key must be None (no authentication) or a non-empty string")
     if queue_limit < 0:
         raise ValueError(f"queue_limit must be >= 0, got {queue_limit}")
-    srv = _Server(model, model_name, api_key, default_max_tokens, limits, queue_limit)
+    srv = _Server(model, model_name, api_key, default_max_tokens, limits, queue_limit,
+                  speculate)
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
@@ -599,7 +607,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
           model_name: str | None = None, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           default_max_tokens: int | None = None, access_log: bool = True,
-          limits: ServerLimits | None = None, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> None:
+          limits: ServerLimits | None = None, queue_limit: int = DEFAULT_QUEUE_LIMIT,
+          speculate: str = "auto") -> None:
     """Serve ``model`` over HTTP until interrupted (blocks; Ctrl-C stops it).
 
     Args:
@@ -616,9 +625,11 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         limits: request bounds (:class:`ServerLimits`: body size, head/body timeouts,
             JSON depth); default: its defaults.
         queue_limit: requests that may wait for a free slot (see the module policy).
+        speculate: speculative decoding mode of every request (:func:`create_app`).
 
     Raises:
-        ValueError: a port out of range, or an empty ``model_name``/``api_key``.
+        ValueError: a port out of range, an empty ``model_name``/``api_key``, an
+            unknown ``speculate``.
         ServeError: the address cannot be bound (port in use, unknown host).
     """
     import uvicorn
@@ -627,7 +638,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None 
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     name = model_name or default_model_name(model)
     limits = limits or ServerLimits()
-    app = create_app(model, name, api_key, default_max_tokens, limits, queue_limit)
+    app = create_app(model, name, api_key, default_max_tokens, limits, queue_limit, speculate)
     _setup_access_log(access_log)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use "

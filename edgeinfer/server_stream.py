@@ -34,10 +34,11 @@ class Generation:
     """
 
     def __init__(self, model, ids: list[int], req: GenRequest, loop: asyncio.AbstractEventLoop,
-                 on_done: Callable[[str | None], None]):
+                 on_done: Callable[[str | None], None], speculate: str = "auto"):
         self.model = model
         self.ids = ids
         self.req = req
+        self.speculate = speculate
         self.loop = loop
         self.on_done = on_done
         self.cancel = threading.Event()
@@ -62,6 +63,7 @@ class Generation:
             for ev in self.model.stream_ids(self.ids, max_tokens=max_tokens, stop=self.req.stop,
                                             cancel=self.cancel, grammar=self.req.grammar,
                                             leading_space=not self.req.chat,
+                                            speculate=self.speculate,
                                             **self.req.sampling):
                 if ev.finish_reason is not None:
                     finish = ev.finish_reason

@@ -446,12 +446,15 @@ def test_engine_stream_allocates_nothing_per_sampled_token(quant_model):
     eng = Engine(quant_model, tokenizer_for(read_model(str(MODEL_DIR))), n_ctx=128,
                  kv_dtype="int8", prefill_chunk=8)
     params = SamplingParams(**SAMPLED, seed=3)
-    list(eng.stream(PROMPT.tolist(), params, max_tokens=8))  # warm-up
+    # speculate="off": the plain decode loop (a speculative verify is a prefill forward,
+    # which allocates; edgeinfer/speculative.py)
+    list(eng.stream(PROMPT.tolist(), params, max_tokens=8, speculate="off"))  # warm-up
     counts = []
     for n in (20, 60):
         eng.reset()
         with numpy_allocs() as n_np:
-            final = list(eng.stream(PROMPT.tolist(), params, max_tokens=n))[-1]
+            final = list(eng.stream(PROMPT.tolist(), params, max_tokens=n,
+                                    speculate="off"))[-1]
         assert final.stats.generated_tokens == n  # (the tiny model emits no EOS here)
         counts.append(n_np[0])
     assert counts[1] == counts[0], counts
