@@ -48,8 +48,12 @@ from ..models.transformer import decoder_layer, upload_layer
 from ..source import ModelSource
 from .awq import awq_quantize_layer
 from .gptq import Hessian, gptq_quantize
+from .grid import quantize_grid
 from .mse import quantize_mse
 from .rtn import effective_group, quantize_rtn
+
+#: methods that read the weights only (no calibration ids, no forward passes)
+DATA_FREE = ("rtn", "grid")
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +327,10 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
 
     Args:
         source: the float model (lazy tensors welcome).
-        ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for "rtn").
-        method: "rtn", "awq", "gptq" or "mse" (:mod:`.mse`, the columns weighted by the
-            mean squared input over ``ids``).
+        ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for
+            :data:`DATA_FREE` methods).
+        method: "rtn", "grid" (:mod:`.grid`), "awq", "gptq" or "mse" (:mod:`.mse`, the
+            columns weighted by the mean squared input over ``ids``).
         bits, group_size, symmetric: the linear weights' format.
         act_order: GPTQ column order (see :mod:`.gptq`).
         n_search: AWQ token sample size for the scale/clip searches.
@@ -338,8 +343,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Raises:
         ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
     """
-    if method not in ("rtn", "awq", "gptq", "mse"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
+    if method not in ("rtn", "grid", "awq", "gptq", "mse"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, grid, awq, gptq or mse")
     pool = _solver_pool() if method == "gptq" else None
     try:
         return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
@@ -356,7 +361,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
     info: dict = {"awq_alpha": {}}
     be = CalibrationBackend()
     x = None
-    if method != "rtn":
+    if method not in DATA_FREE:
         emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
         x = emb[ids] * np.float32(cfg.embed_scale)  # [N, L, D]
         del emb
@@ -368,6 +373,10 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
         if method == "rtn":
             q = {k: (quantize_rtn(v, bits, effective_group(v.shape[1], group_size), symmetric,
                                   name=names[k])
+                     if k in LINEAR_KEYS else v) for k, v in lw.items()}
+        elif method == "grid":
+            q = {k: (quantize_grid(v, effective_group(v.shape[1], group_size), symmetric,
+                                   name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         else:
             theta = cfg.layer_rope_theta(i)

@@ -1,7 +1,8 @@
 """``convert``: a float checkpoint (HF folder, GGUF, ModelSource) -> one ``.eif`` file.
 
 What is stored (see :mod:`edgeinfer.container`):
-  * every decoder linear: INT4 (``method`` rtn / awq / gptq), group ``group_size``, or, for
+  * every decoder linear: INT4 (``method`` grid / rtn / awq / gptq / mse), group
+    ``group_size`` (default: the method's, :data:`METHOD_LAYOUT`), or, for
     an input width it does not divide, the largest multiple of 32 below it that does
     (:func:`~edgeinfer.quant.rtn.effective_group`; recorded per tensor);
   * ``model.embed_tokens.weight``: INT8 per row (``embed_bits=8``, default), or float16 /
@@ -30,9 +31,15 @@ from ..errors import ModelFormatError
 from ..safe_write import check_output
 from ..source import ModelSource
 from .calibrate import calibration_ids, check_finite, quantize_layers, random_ids
+from .grid import GROUP_SIZE as GRID_GROUP, SYMMETRIC as GRID_SYMMETRIC
 from .rtn import quantize_rtn
 
 log = logging.getLogger(__name__)
+
+#: the default ``(group_size, symmetric)`` of each method: "grid" (the data-free default)
+#: uses Q4_0's layout, symmetric groups of 32 with an fp16 scale (4.5 bits per weight)
+METHOD_LAYOUT = {"grid": (GRID_GROUP, GRID_SYMMETRIC), "rtn": (128, False),
+                 "awq": (128, False), "gptq": (128, False), "mse": (128, False)}
 
 
 def _sha256(path: str) -> str | None:
@@ -86,7 +93,7 @@ def peak_rss_mib() -> float:
 
 
 def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits: int = 4,
-            group_size: int = 128, symmetric: bool = False, embed_bits: int = 8,
+            group_size: int | None = None, symmetric: bool | None = None, embed_bits: int = 8,
             calib_path: str | None = None, n_calib: int | None = None,
             calib_len: int | None = None, seed: int = 0, act_order: bool = False,
             n_search: int = 2048, progress: bool = True, overwrite: bool = False) -> dict:
@@ -97,13 +104,15 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
-        method: "awq" (default), "gptq", "rtn" (no calibration) or "mse" (:mod:`.mse`;
+        method: "awq" (default), "gptq", "grid" (:mod:`.grid`: the weights alone, no
+            calibration, seconds), "rtn" (no calibration) or "mse" (:mod:`.mse`;
             without ``calib_path`` its input scales come from random token ids, no data).
         bits: linear weight bits (4).
-        group_size: 32 / 64 / 128 (default) or -1 per-channel; an input width it does not
+        group_size: 32 / 64 / 128 or -1 per-channel; None: the method's
+            (:data:`METHOD_LAYOUT`: 32 for grid, else 128); an input width it does not
             divide gets the largest dividing multiple of 32 below it, else is zero-padded
             (see :mod:`.rtn`).
-        symmetric: INT4 without zero points.
+        symmetric: INT4 without zero points; None: the method's (grid: True, else False).
         embed_bits: 8 (INT8 per row, default), 16 or 32 for the embedding and an untied head.
         calib_path: plain-text calibration file; None -> data-free self-generated text.
         n_calib, calib_len: calibration sequences and their length (defaults: 32 x 512
@@ -129,8 +138,10 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     """
     if bits != 4:
         raise ValueError(f"only 4-bit linear weights are supported by the converter, got {bits}")
-    if method not in ("rtn", "awq", "gptq", "mse"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, awq, gptq or mse")
+    if method not in METHOD_LAYOUT:
+        raise ValueError(f"unknown method {method!r}; choose {', '.join(METHOD_LAYOUT)}")
+    group_size = METHOD_LAYOUT[method][0] if group_size is None else group_size
+    symmetric = METHOD_LAYOUT[method][1] if symmetric is None else symmetric
     t0 = time.perf_counter()
     source = _open(src)
     inputs = [str(source.path), calib_path]
@@ -143,7 +154,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     ids, calib_desc = None, "none (rtn needs no calibration)"
     if method == "mse" and calib_path is None:
         ids, calib_desc = random_ids(source, n_calib or 2, calib_len or 256, seed)
-    elif method != "rtn":
+    elif method in ("rtn", "grid"):
+        calib_desc = f"none ({method} needs no calibration)"
+    else:
         ids, calib_desc = calibration_ids(source, calib_path, n_calib, calib_len, seed, progress)
 
     bar = None
