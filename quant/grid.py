@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
+from .mse import _codes, _err
 from .rtn import SCALE_EPS, assemble, group_params, resolve_group, storage_scales
 
 #: candidate scales: range / (15 + δ); δ < 0 widens the grid, δ > 0 clips the extremes
@@ -47,20 +48,6 @@ def _fp16_near(s: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = s.astype(np.float16).astype(np.float32)
     return np.where(np.isfinite(h), h, s)
-
-
-def _codes(wg, s, z):
-    q = np.rint(wg / s[..., None])
-    q += z[..., None]
-    return np.clip(q, 0.0, 15.0, out=q)
-
-
-def _err(wg, a, q, s, z):
-    d = (q - z[..., None]) * s[..., None] - wg
-    d *= d
-    if a is not None:
-        d *= a
-    return d.sum(axis=-1)
 
 
 def importance_of(wg: np.ndarray, kind: str | None) -> np.ndarray | None:
