@@ -30,7 +30,14 @@ import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
 from .mse import _codes, _err
-from .rtn import SCALE_EPS, assemble, group_params, resolve_group, storage_scales
+from .rtn import (
+    SCALE_EPS,
+    assemble,
+    checked_weight,
+    group_params,
+    resolve_group,
+    storage_scales,
+)
 
 #: candidate scales: range / (15 + δ); δ < 0 widens the grid, δ > 0 clips the extremes
 DELTAS = (-0.5, 0.0, 0.5, 1.0, 1.5, 2.0)
@@ -136,11 +143,7 @@ def quantize_grid(w: np.ndarray, group_size: int = GROUP_SIZE, symmetric: bool =
     Raises:
         ValueError: non-finite weights (naming ``name``), bad shape or group size.
     """
-    w = np.asarray(w, np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"{name or 'weight'}: expected a 2-D [out, in] weight, got {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError(f"{name or 'weight'}: contains NaN or inf; cannot quantize")
+    w = checked_weight(w, name)
     out, n_in = w.shape
     g, in_pad = resolve_group(n_in, group_size, 4)
     ng = in_pad // g

@@ -18,7 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
-from .rtn import SCALE_EPS, assemble, group_params, resolve_group, storage_scales
+from .rtn import (
+    SCALE_EPS,
+    assemble,
+    checked_weight,
+    group_params,
+    resolve_group,
+    storage_scales,
+)
 
 #: the candidate grid: scale = range / (15 + δ) (asymmetric) or absmax / (7.5 + δ / 2)
 #: (symmetric); δ < 0 widens the grid, δ > 0 clips the extremes.
@@ -114,11 +121,7 @@ def quantize_mse(w: np.ndarray, group_size: int = 128, symmetric: bool = False,
     Raises:
         ValueError: non-finite weights or importance, bad shape.
     """
-    w = np.asarray(w, np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"{name or 'weight'}: expected a 2-D [out, in] weight, got {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError(f"{name or 'weight'}: contains NaN or inf; cannot quantize")
+    w = checked_weight(w, name)
     out, n_in = w.shape
     g, in_pad = resolve_group(n_in, group_size, 4)
     a = None

@@ -175,6 +175,20 @@ def assemble(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bi
                            in_features, method)
 
 
+def checked_weight(w, name: str = "") -> np.ndarray:
+    """``w`` as a float32 2-D [out, in] array of finite values.
+
+    Raises:
+        ValueError: not 2-D, or NaN/inf (naming ``name``).
+    """
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"{name or 'weight'}: expected a 2-D [out, in] weight, got {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError(f"{name or 'weight'}: contains NaN or inf; cannot quantize")
+    return w
+
+
 def quantize_rtn(w: np.ndarray, bits: int = 4, group_size: int = 128, symmetric: bool = False,
                  *, clip: np.ndarray | None = None, method: str = "rtn",
                  name: str = "") -> QuantizedTensor:
