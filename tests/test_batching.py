@@ -2,8 +2,8 @@
 gets alone (``Transformer.forward_batch``), on stories260K (dense float32 from the HF
 folder) and SmolLM2-135M (the catalog GGUF's native blocks), for every KV kind.
 
-The rows of the step change membership between steps (sequences join and leave), cross
-``GEMV_MAX_T`` (B = 2: the GEMV per row; B = 4: the integer GEMM) and sit at different
+The rows of the step change membership between steps (sequences join and leave), use the
+multi-token integer GEMM for B = 2..4 (4-token blocks plus a remainder) and sit at different
 positions. Control: the float-activation path (``exact_decode``) gives other logits, so
 equality is not vacuous.
 """

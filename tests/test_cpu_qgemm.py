@@ -15,7 +15,7 @@ import pytest
 from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
 from edgeinfer.backends.cpu._simd import ACT_ORDER
 from edgeinfer.backends.cpu.gemv import ACT_LEVELS, ActScratch, quantize_act
-from edgeinfer.backends.cpu.qgemm import TILE_BLOCKS, TILE_TOKENS
+from edgeinfer.backends.cpu.qgemm import TILE_ROWS, TILE_TOKENS
 from test_cpu_kernels import random_q
 
 CPU = CpuBackend(threads=2)
@@ -98,7 +98,7 @@ def test_rows_bit_identical_for_any_m(bits, out, n_in, group, sym):
     qt = random_q(rng, out, n_in, bits, group, sym)
     h = CPU.upload_weight(qt)
     bias = rng.standard_normal(out).astype(np.float32)
-    for t in (3, 7, TILE_TOKENS - 1, TILE_TOKENS, TILE_TOKENS + 1, 70):
+    for t in (2, 3, 5, 7, TILE_TOKENS - 1, TILE_TOKENS, TILE_TOKENS + 1, 70):
         x = rng.standard_normal((t, n_in)).astype(np.float32)
         whole = CPU.linear(x, h, bias)
         ones = np.concatenate([CPU.linear(x[i:i + 1], h, bias) for i in range(t)])
@@ -113,7 +113,7 @@ def test_tiles_cover_every_row_and_token():
     from edgeinfer.backends.cpu.qgemm import gemm_int
 
     rng = np.random.default_rng(5)
-    out = TILE_BLOCKS * 4 * 3 + 3
+    out = TILE_ROWS * 3 + 3
     qt = random_q(rng, out, 128, 4, 32, False)
     h = CPU.upload_weight(qt)
     x = rng.standard_normal((2 * TILE_TOKENS + 5, 128)).astype(np.float32)
@@ -132,3 +132,68 @@ def test_exact_decode_control_differs():
     a = CPU.linear(x, CPU.upload_weight(qt))
     b = exact.linear(x, exact.upload_weight(qt))
     assert not np.array_equal(a, b) and np.abs(a - b).max() < 1e-3 * np.abs(b).max()
+
+
+def _jit_rows(kernel):
+    from numba import njit
+
+    @njit
+    def call(y, r0, wp, sc, xq, dx, bmap, nb):
+        kernel(y, r0, wp, sc, xq, dx, bmap, nb)
+    return call
+
+
+def _jit_tokens(kernel):
+    from numba import njit
+
+    @njit
+    def call(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+        kernel(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+    return call
+
+
+@pytest.mark.parametrize("bits,n_in,group,sym", [(4, 192, 32, False), (4, 576, 128, False),
+                                                  (4, 576, 96, True), (8, 200, 32, True),
+                                                  (8, 576, -1, True)])
+def test_token_kernels_equal_one_token_kernels(bits, n_in, group, sym):
+    """Each multi-token kernel (1..4 tokens) writes, for every (row, token), exactly the
+    float32 the one-token kernel + ``_finish_rows`` writes: the SIMD pair when the host
+    has AVX2, and the portable pair (the no-AVX2 fallback) everywhere. Groups of 32, 128,
+    96 (groups flush inside a 64-column chunk), per-row; with and without bias."""
+    from edgeinfer.backends.cpu import _simd, _simd_tokens
+    from edgeinfer.backends.cpu.gemv import _finish_rows
+
+    rng = np.random.default_rng(n_in + group)
+    out, t_n = 11, 6
+    qt = random_q(rng, out, n_in, bits, group, sym)
+    h = CPU.upload_weight(qt)
+    x = rng.standard_normal((t_n, n_in)).astype(np.float32)
+    x[2, 7] = 50.0
+    xq = np.zeros((t_n, h.n_blocks * 32), np.int16)
+    dx = np.zeros((t_n, h.n_blocks), np.float32)
+    xg = np.zeros((t_n, h.n_groups), np.float32)
+    for t in range(t_n):
+        quantize_act(xq[t], dx[t], xg[t], x[t], h.bmap)
+    xgt = np.zeros((h.n_groups, t_n + 4), np.float32)
+    xgt[:, :t_n] = xg.T
+    pairs = [(_simd.PORTABLE_ROWS, _simd_tokens.PORTABLE_TOKENS)]
+    if _simd.HAVE_AVX2:  # the IR intrinsics are callable from jitted code only
+        pairs.append(({k: _jit_rows(v) for k, v in _simd.SIMD_ROWS.items()},
+                      {k: _jit_tokens(v) for k, v in _simd_tokens.SIMD_TOKENS.items()}))
+    for bias in (np.zeros(0, np.float32), rng.standard_normal(out).astype(np.float32)):
+        for rows, toks in pairs:
+            want = np.empty((t_n, out), np.float32)
+            for t in range(t_n):
+                for r in range(out):
+                    rows[(1, bits)](want[t], r, h.wp, h.sc, xq[t], dx[t], h.bmap, h.n_blocks)
+                _finish_rows(want[t], 0, out, h.sz, xg[t], bias)
+            for n in range(1, 5):
+                y = np.full((t_n, out), np.nan, np.float32)
+                for t0 in range(0, t_n - n + 1, n):  # rows 2..out-1 in one call, 0..1 in another
+                    for r0, nr in ((0, 2), (2, out - 2)):
+                        toks[(n, bits)](y, t0, r0, nr, h.wp, h.sc, h.sz, xgt, bias, xq, dx,
+                                        h.bmap, h.n_blocks)
+                done = (t_n // n) * n
+                assert np.array_equal(y[:done], want[:done]), (n, rows is pairs[0][0])
+                assert np.isnan(y[done:]).all()  # nothing written past the tokens asked for
+            assert np.abs(want).max() > 0

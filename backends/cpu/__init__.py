@@ -5,11 +5,11 @@ Tensors are host numpy float32 arrays. Quantized weights are repacked once at up
 (:mod:`.repack`); dense float32 weights are used as given (a float32 memmap stays a
 memmap). Importing this module imports Numba; ``import edgeinfer.backends`` does not.
 
-Kernel modules: :mod:`.gemv` (decode, T <= ``GEMV_MAX_T``), :mod:`.qgemm` (prefill on
-quantized weights), :mod:`.gemm` (dense weights, ``exact_decode``),
+Kernel modules: :mod:`.gemv` (decode, T = 1), :mod:`.qgemm` (T > 1 on quantized weights:
+prefill, batched decode, speculative verify), :mod:`.gemm` (dense weights, ``exact_decode``),
 :mod:`.attention` (f32/f16 cache), :mod:`.kvquant` (int8/int4/k8v4 cache: bit-exact KV
 write and attention over the codes), :mod:`.elementwise`, with the SIMD row kernels in
-:mod:`._simd`. :meth:`CpuBackend.group_linears` fuses q/k/v and gate/up into one weight
+:mod:`._simd` (one token) and :mod:`._simd_tokens` (up to 4 tokens per weight load). :meth:`CpuBackend.group_linears` fuses q/k/v and gate/up into one weight
 (one GEMV, one GEMM). Decode steps run as a compiled plan (:mod:`.plan`: one or two
 Numba calls per layer for 4-bit plain blocks, :mod:`.stepwise` for the others), which
 allocates nothing.
@@ -73,7 +73,8 @@ from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "kernel_paths", "physical_cores", "threading_info"]
 
-#: Token counts up to this use the integer GEMV once per token; above, dequant + BLAS.
+#: Dense float32 weights: token counts up to this run one BLAS call on the calling thread;
+#: above, BLAS tiles on the workers. (Quantized weights: the GEMV for T = 1 only.)
 GEMV_MAX_T = 2
 _NO_POS = np.zeros(0, np.int64)  # f32 / f16 attention: positions = slots
 _NO_SCR = np.zeros((0, 0), np.float32)  # attention scratch: none (items allocate their own)
@@ -248,9 +249,10 @@ class CpuBackend(Backend):
     def linear(self, x, w, bias=None):
         """y[T, out] = x[T, in] @ W[out, in].T (+ bias[out]).
 
-        Quantized W: T <= ``GEMV_MAX_T`` the integer GEMV per row, larger T the integer
-        GEMM of :mod:`.qgemm`, whose rows are bit-identical to the GEMV's (so the
-        output of a row never depends on T); ``exact_decode``: dequantized tiles + BLAS
+        Quantized W: T = 1 the integer GEMV, larger T (prefill, a batched decode step,
+        a speculative verify) the multi-token integer GEMM of :mod:`.qgemm`, whose rows
+        are bit-identical to the GEMV's (so the output of a row never depends on T);
+        ``exact_decode``: dequantized tiles + BLAS
         on the tile workers for every T. Dense W:
         numpy BLAS (tiled on the workers for T > ``GEMV_MAX_T``; one GEMV per row while
         :attr:`rows_alone`, a batched decode step, so each row equals its decode alone).
@@ -272,11 +274,10 @@ class CpuBackend(Backend):
                 raise ValueError(f"linear: x has {k} features, weight expects {w.in_features}")
             if self.exact_decode:
                 y = gemm_quant(x2, w, bias, self._pool)
-            elif t <= GEMV_MAX_T:
-                y = np.empty((t, w.out_features), np.float32)
-                for i in range(t):
-                    gemv_quant(y[i], x2[i], w, bias, self.act_scratch)
-            else:  # each row bit-identical to its GEMV (.qgemm)
+            elif t == 1:
+                y = np.empty((1, w.out_features), np.float32)
+                gemv_quant(y[0], x2[0], w, bias, self.act_scratch)
+            else:  # the multi-token kernels, each row bit-identical to its GEMV (.qgemm)
                 y = gemm_int(x2, w, bias)
         elif t <= GEMV_MAX_T or self.rows_alone:
             if self.rows_alone and t > 1:  # a batched decode step: each row's GEMV alone

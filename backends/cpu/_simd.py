@@ -81,11 +81,21 @@ def _splat_f32(builder, v):
                                   ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
 
 
+#: Flags on the kernels' order-sensitive float adds: a no-op for fadd/fmul (``arcp``
+#: only licenses reciprocals), but flagged instructions are left alone by Numba's
+#: fastmath pass (``numba/core/fastmathpass.py`` flags only unflagged ones), so the
+#: backend never reassociates these sums: every kernel that computes a row sums it in
+#: the same order, the condition for decode and prefill agreeing bit for bit.
+STRICT = ("arcp",)
+
+
 def _hsum8(builder, v):
-    """Horizontal sum of an <8 x float> (tree of 7 adds; once per row)."""
+    """Horizontal sum of an <8 x float> (tree of 7 adds, ((0+1)+(2+3))+((4+5)+(6+7)),
+    never reassociated: :data:`STRICT`; once per row)."""
     lanes = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(8)]
     while len(lanes) > 1:
-        lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+        lanes = [builder.fadd(lanes[i], lanes[i + 1], flags=STRICT)
+                 for i in range(0, len(lanes), 2)]
     return lanes[0]
 
 

@@ -1,54 +1,82 @@
-"""Prefill linear (T > 2) on repacked 4-/8-bit weights: the decode GEMV's numerics for T rows.
+"""Integer linear for T > 1 tokens (prefill, batched decode, speculative verify) on
+repacked 4-/8-bit weights: the decode GEMV's numerics for T rows.
 
-Every token row goes through exactly the computation :func:`.gemv.gemv_quant` does for
-one token (same activation quantization :func:`.gemv.quantize_act`, same SIMD row kernel
-of :mod:`._simd`, same per-row float reduction :func:`.gemv._finish_rows`), so a row's
-output does not depend on how many rows are computed with it: prefill of N tokens and
-decode of the same tokens one by one give bit-identical linears (a KV-cache hit or a
-chat turn computed by decode steps never changes the logits that follow).
+Every token row is quantized as :func:`.gemv.quantize_act` does for one token, and its
+dot products, group scales, zero-point term and bias follow the decode GEMV's sequence
+of float operations exactly (the multi-token kernels of :mod:`._simd_tokens`), so a
+row's output does not depend on how many rows are computed with it: prefill of N
+tokens and decode of the same tokens one by one give bit-identical linears (a KV-cache
+hit or a chat turn computed by decode steps never changes the logits that follow).
 
-Work is tiled for reuse: items are (weight tile of ``TILE_BLOCKS`` 4-row blocks, token
-chunk of ``TILE_TOKENS`` rows), tile-major, split across Numba's threads; each item
-runs the row kernel for every (block, token) pair, so a weight tile is loaded from
-memory once per chunk of tokens and then read from cache (32 rows x in/2 bytes: 9-78
-KB for 576-4864 inputs). Tiling changes only the order of independent rows, never the
-arithmetic of one row.
+Work is tiled for reuse: items are (tile of ``TILE_ROWS`` weight rows, chunk of
+``TILE_TOKENS`` tokens), split across Numba's threads; an item runs the kernel for
+each group of up to ``TOKEN_BLOCK`` (4) tokens over the tile's rows, so a weight chunk
+is widened once per 4 tokens, the tile is read from memory once per chunk of tokens and
+then from cache (32 rows x in/2 bytes: 9-78 KB for 576-4864 inputs), and the 4 tokens'
+activations stay in L1 while the rows stream. Tiling changes only the order of
+independent (row, token) outputs, never the arithmetic of one.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _q4_block, _q8_block, quantize_act
+from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q8_tok1, q8_tok2,
+                           q8_tok3, q8_tok4)
+from .gemv import XQ_DTYPE, XQ_PER_BLOCK, quantize_act
 from .repack import CpuQuantWeight
 
-#: 4-row blocks per weight tile (32 rows).
-TILE_BLOCKS = 8
+#: Rows per weight tile.
+TILE_ROWS = 32
 #: Token rows per chunk.
 TILE_TOKENS = 32
 
 
+@njit(cache=True, fastmath=True, inline="always")
+def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):  # n (1..4) tokens x nr rows
+    if bits == 4:
+        if n == 4:
+            q4_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 3:
+            q4_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 2:
+            q4_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        else:
+            q4_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+    else:
+        if n == 4:
+            q8_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 3:
+            q8_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 2:
+            q8_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        else:
+            q8_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
 @njit(parallel=True, cache=True, fastmath=True)
-def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, bits):
+def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, xgt, bits):
     t_n = x.shape[0]
     for t in prange(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+    for g in range(xg.shape[1]):
+        for t in range(t_n):
+            xgt[g, t] = xg[t, g]
     out = y.shape[1]
-    nblk = out // 4
-    n_items = nblk + out - nblk * 4
-    n_tiles = -(-n_items // TILE_BLOCKS)
+    nb = dx.shape[1]
+    n_tiles = -(-out // TILE_ROWS)
     n_chunks = -(-t_n // TILE_TOKENS)
     for it in prange(n_tiles * n_chunks):
         tile = it // n_chunks
         c = it - tile * n_chunks
-        i1 = min(n_items, (tile + 1) * TILE_BLOCKS)
+        r0 = tile * TILE_ROWS
+        nr = min(out, r0 + TILE_ROWS) - r0
         t1 = min(t_n, (c + 1) * TILE_TOKENS)
-        for i in range(tile * TILE_BLOCKS, i1):
-            for t in range(c * TILE_TOKENS, t1):
-                if bits == 4:
-                    _q4_block(i, nblk, y[t], wp, sc, sz, bmap, bias, xq[t], dx[t], xg[t])
-                else:
-                    _q8_block(i, nblk, y[t], wp, sc, sz, bmap, bias, xq[t], dx[t], xg[t])
+        t = c * TILE_TOKENS
+        while t < t1:
+            n = min(TOKEN_BLOCK, t1 - t)
+            _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            t += n
 
 
 _NO_BIAS = np.zeros(0, np.float32)
@@ -71,6 +99,7 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
+    xgt = np.zeros((w.n_groups, t + TOKEN_BLOCK), np.float32)  # 4-lane loads past t: zeros
     _gemm_int(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
-              xq, dx, xg, w.bits)
+              xq, dx, xg, xgt, w.bits)
     return y

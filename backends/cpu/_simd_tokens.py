@@ -1,0 +1,278 @@
+"""Multi-token row kernels (prefill, batched decode, speculative verify) in LLVM IR.
+
+The decode kernels of :mod:`._simd` compute R rows for one token; called once per
+(row block, token), a T-token GEMM widens every weight chunk T times and pays a call,
+a setup and a group flush per token. The kernels here take one row at a time and
+``n_tok`` tokens at once: each 32-byte weight chunk is loaded and widened to int16 once
+and multiplied (``pmaddwd``) with the activations of every token, the ``n_tok`` pairs of
+8-float accumulators (group and row) staying in registers; a call covers ``nr``
+consecutive rows (contiguous in memory: one sequential stream for the hardware
+prefetcher).
+
+Numerics: for every (row, token) the sequence of operations is exactly that of the
+decode kernels (same integer dot per block, same FMA into the group accumulator in block
+order, same group flush, same horizontal sum), so a row's output is bit-identical to its
+decode GEMV whatever ``n_tok`` or the tiling. Arguments: ``y`` float32 [T, out]
+(written at rows ``r0 .. r0 + nr - 1`` of tokens ``t0 .. t0 + n_tok - 1``), ``wp`` and
+``sc`` as in :mod:`._simd`, ``xq`` int16 [T, nb * 32], ``dx`` float32 [T, nb] (2-D,
+rows of any stride), ``bmap`` int32 [nb], ``nb`` blocks per row. No zero-point term (the
+caller subtracts it as for decode).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
+                    _V32I8, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable, _splat_f32)
+
+#: Token counts with a kernel of their own (a T-token call is split into these).
+TOKEN_BLOCK = 4
+
+
+def _row_ptr(builder, arr, ty, row, elem):
+    """Pointer to element 0 of row ``row`` of a 2-D array (any row stride), as ``elem*``."""
+    stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+    base = builder.bitcast(arr.data, _I8.as_pointer())
+    return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
+
+
+_V4F32 = ir.VectorType(_F32, 4)
+
+
+def _splat4(builder, v):
+    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 4), [0] * 4))
+
+
+def _pair_add(builder, a, b):  # vhaddps: [a01 a23 b01 b23 | a45 a67 b45 b67]
+    ev = ir.Constant(ir.VectorType(_I32, 8), [0, 2, 8, 10, 4, 6, 12, 14])
+    od = ir.Constant(ir.VectorType(_I32, 8), [1, 3, 9, 11, 5, 7, 13, 15])
+    return builder.fadd(builder.shuffle_vector(a, b, ev), builder.shuffle_vector(a, b, od),
+                        flags=STRICT)
+
+
+def _hsum4(builder, vs):
+    """Horizontal sums of up to 4 <8 x float> as one <4 x float>, each by the tree of
+    :func:`._simd._hsum8` (((0+1)+(2+3))+((4+5)+(6+7))): the same float result."""
+    zero = ir.Constant(_V8F32, [0.0] * 8)
+    vs = list(vs) + [zero] * (4 - len(vs))
+    h = _pair_add(builder, _pair_add(builder, vs[0], vs[1]), _pair_add(builder, vs[2], vs[3]))
+    lo = builder.shuffle_vector(h, h, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3]))
+    hi = builder.shuffle_vector(h, h, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7]))
+    return builder.fadd(lo, hi, flags=STRICT)
+
+
+def _make_tokens_kernel(n_tok: int, bits: int):
+    """Intrinsic ``k(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)`` for
+    ``n_tok`` tokens (``sz`` float32 [rows, ng], ``xgt`` float32 [ng, >= t0 + 4] the
+    activation group sums transposed, ``bias`` float32 [rows] or [0])."""
+
+    @intrinsic
+    def kernel(typingctx, y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+        sig = types.void(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+        def codegen(context, builder, signature, args):
+            (ty_y, _, _, _, ty_wp, ty_sc, ty_sz, ty_xg, ty_b, ty_xq, ty_dx, ty_bm,
+             _) = signature.args
+            a_y = context.make_array(ty_y)(context, builder, args[0])
+            a_wp = context.make_array(ty_wp)(context, builder, args[4])
+            a_sc = context.make_array(ty_sc)(context, builder, args[5])
+            a_sz = context.make_array(ty_sz)(context, builder, args[6])
+            a_xg = context.make_array(ty_xg)(context, builder, args[7])
+            a_b = context.make_array(ty_b)(context, builder, args[8])
+            a_xq = context.make_array(ty_xq)(context, builder, args[9])
+            a_dx = context.make_array(ty_dx)(context, builder, args[10])
+            a_bm = context.make_array(ty_bm)(context, builder, args[11])
+            i64 = ir.IntType(64)
+            t0v, r0v, nrv, nbv = args[1], args[2], args[3], args[12]
+            ngv = cgutils.unpack_tuple(builder, a_sz.shape, 2)[1]
+            has_bias = builder.icmp_signed(
+                ">", cgutils.unpack_tuple(builder, a_b.shape, 1)[0], ir.Constant(i64, 0))
+            xg_t0 = _row_ptr(builder, a_xg, ty_xg, ir.Constant(i64, 0), _F32)
+            xg_ld = cgutils.unpack_tuple(builder, a_xg.strides, 2)[0]
+            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
+            srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
+            mod = builder.module
+            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+            fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+            zero8 = ir.Constant(_V8F32, [0.0] * 8)
+            zero32 = ir.Constant(_V32I8, [0] * 32)
+            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+            toks = [builder.add(t0v, ir.Constant(i64, t)) for t in range(n_tok)]
+            xrows = [_row_ptr(builder, a_xq, ty_xq, t, _I16) for t in toks]
+            drows = [_row_ptr(builder, a_dx, ty_dx, t, _F32) for t in toks]
+            yrows = [_row_ptr(builder, a_y, ty_y, t, _F32) for t in toks]
+            accs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
+            gaccs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
+            cur_g = cgutils.alloca_once(builder, i64)
+
+            def group_of(bidx):
+                return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+
+            def widen(v, idx, other):
+                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
+
+            with cgutils.for_range(builder, nrv) as rloop:
+                row = builder.add(r0v, rloop.index)
+                wr = _gep(builder, wbase, builder.mul(row, wrow))
+                sr = _gep(builder, a_sc.data, builder.mul(row, srow))
+                for t in range(n_tok):
+                    builder.store(zero8, accs[t])
+                    builder.store(zero8, gaccs[t])
+                builder.store(group_of(ir.Constant(i64, 0)), cur_g)
+
+                def flush_all(g):  # acc_t += gacc_t * sc[row, g]; gacc_t = 0
+                    f = _splat_f32(builder, builder.load(_gep(builder, sr, g)))
+                    for t in range(n_tok):
+                        builder.store(builder.call(fmuladd, [builder.load(gaccs[t]), f,
+                                                             builder.load(accs[t])]), accs[t])
+                        builder.store(zero8, gaccs[t])
+
+                def enter_group(g):
+                    with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                         likely=False):
+                        flush_all(builder.load(cur_g))
+                        builder.store(g, cur_g)
+
+                def dot_all(wa, wb, bidx):  # gacc_t += cvt(wa . xa_t + wb . xb_t) * dx_t[b]
+                    xoff = builder.mul(bidx, ir.Constant(i64, 32))
+                    for t in range(n_tok):
+                        pa = builder.bitcast(_gep(builder, xrows[t], xoff), _V16I16.as_pointer())
+                        pb = builder.bitcast(_gep(builder, xrows[t], builder.add(
+                            xoff, ir.Constant(i64, 16))), _V16I16.as_pointer())
+                        xa = builder.load(pa, align=2)
+                        xb = builder.load(pb, align=2)
+                        f = _splat_f32(builder, builder.load(_gep(builder, drows[t], bidx)))
+                        p32 = builder.add(builder.call(pmaddwd, [wa, xa]),
+                                          builder.call(pmaddwd, [wb, xb]))
+                        builder.store(builder.call(fmuladd, [builder.sitofp(p32, _V8F32), f,
+                                                             builder.load(gaccs[t])]), gaccs[t])
+
+                if bits == 4:
+                    m15 = ir.Constant(_V16I16, [15] * 16)
+                    four = ir.Constant(_V16I16, [4] * 16)
+                    with cgutils.for_range(builder, builder.udiv(nbv, ir.Constant(i64, 2))) as cl:
+                        c = cl.index
+                        off = builder.mul(c, ir.Constant(i64, 32))
+                        b0 = builder.mul(c, ir.Constant(i64, 2))
+                        b1 = builder.add(b0, ir.Constant(i64, 1))
+                        g0, g1 = group_of(b0), group_of(b1)
+                        enter_group(g0)
+                        wv = builder.load(builder.bitcast(_gep(builder, wr, off),
+                                                          _V32I8.as_pointer()), align=1)
+                        ua, ub = widen(wv, lo_idx, zero32), widen(wv, hi_idx, zero32)
+                        dot_all(builder.and_(ua, m15), builder.and_(ub, m15), b0)
+                        with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
+                            flush_all(g0)
+                        dot_all(builder.lshr(ua, four), builder.lshr(ub, four), b1)
+                        builder.store(g1, cur_g)
+                else:
+                    with cgutils.for_range(builder, nbv) as bl:
+                        b = bl.index
+                        off = builder.mul(b, ir.Constant(i64, 32))
+                        enter_group(group_of(b))
+                        wv = builder.load(builder.bitcast(_gep(builder, wr, off),
+                                                          _V32I8.as_pointer()), align=1)
+                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
+                        dot_all(widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), b)
+                flush_all(builder.load(cur_g))
+                tot = _hsum4(builder, [builder.load(a) for a in accs])
+                # zero-point term per token, each lane in _finish_rows' strict order
+                zp = cgutils.alloca_once_value(builder, ir.Constant(_V4F32, [0.0] * 4))
+                szr = _gep(builder, a_sz.data, builder.mul(row, ngv))
+                with cgutils.for_range(builder, ngv) as gl:
+                    g = gl.index
+                    xp = builder.gep(builder.bitcast(xg_t0, _I8.as_pointer()),
+                                     [builder.mul(g, xg_ld)])
+                    xv = builder.load(builder.bitcast(_gep(builder, builder.bitcast(
+                        xp, _F32.as_pointer()), t0v), _V4F32.as_pointer()), align=4)
+                    term = builder.fmul(_splat4(builder, builder.load(_gep(builder, szr, g))), xv,
+                                        flags=STRICT)
+                    builder.store(builder.fadd(builder.load(zp), term, flags=STRICT), zp)
+                v = cgutils.alloca_once_value(builder, builder.fsub(tot, builder.load(zp), flags=STRICT))
+                with builder.if_then(has_bias):
+                    bv = _splat4(builder, builder.load(_gep(builder, a_b.data, row)))
+                    builder.store(builder.fadd(builder.load(v), bv, flags=STRICT), v)
+                vv = builder.load(v)
+                for t in range(n_tok):
+                    builder.store(builder.extract_element(vv, ir.Constant(_I32, t)),
+                                  _gep(builder, yrows[t], row))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+@njit(cache=True, fastmath=False)  # strict: the zero-point sums of gemv._finish_rows
+def _tok_portable(y, t0, n_tok, r0, nr, bits, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    for t in range(t0, t0 + n_tok):  # per token, the decode kernels' portable row loop
+        _rows_portable(y[t], r0, nr, bits, wp, sc, xq[t], dx[t], bmap, nb)
+        for r in range(r0, r0 + nr):
+            c = np.float32(0.0)
+            for g in range(sz.shape[1]):
+                c += sz[r, g] * xgt[g, t]
+            v = y[t, r] - c
+            if bias.shape[0] > 0:
+                v += bias[r]
+            y[t, r] = v
+
+
+@njit(cache=True)
+def _p_q4_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q4_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q4_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q4_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q8_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+#: ``{(n_tok, bits): kernel}`` for n_tok in 1..TOKEN_BLOCK: the AVX2 IR intrinsics where
+#: the host has AVX2, else portable loops with the decode kernels' portable math.
+#: ``SIMD_TOKENS`` holds the intrinsics regardless (tests compare the two when possible).
+SIMD_TOKENS = {(n, b): _make_tokens_kernel(n, b) for n in range(1, TOKEN_BLOCK + 1)
+               for b in (4, 8)}
+PORTABLE_TOKENS = {(1, 4): _p_q4_tok1, (2, 4): _p_q4_tok2, (3, 4): _p_q4_tok3,
+                   (4, 4): _p_q4_tok4, (1, 8): _p_q8_tok1, (2, 8): _p_q8_tok2,
+                   (3, 8): _p_q8_tok3, (4, 8): _p_q8_tok4}
+_TOK = SIMD_TOKENS if HAVE_AVX2 else PORTABLE_TOKENS
+q4_tok1, q4_tok2, q4_tok3, q4_tok4 = (_TOK[(n, 4)] for n in range(1, 5))
+q8_tok1, q8_tok2, q8_tok3, q8_tok4 = (_TOK[(n, 8)] for n in range(1, 5))
