@@ -432,7 +432,7 @@ def main(argv=None) -> int:
                     help="both sides' threads (default: our backend's, the physical cores)")
     ap.add_argument("--wait-policy", choices=("PASSIVE", "ACTIVE"), default=None,
                     help="OMP_WAIT_POLICY for both sides (default: neither is told; ours "
-                         "then uses PASSIVE, llama.cpp its OpenMP runtime's default)")
+                         "and llama.cpp then both run their OpenMP runtime's default)")
     ap.add_argument("--peer", nargs="*", default=["q4_0", "catalog"],
                     choices=("q4_0", "catalog"), help="llama.cpp's files; the first is the "
                     "top-level comparison")

@@ -15,8 +15,9 @@ Numba calls per layer for 4-bit plain blocks, :mod:`.stepwise` for the others), 
 allocates nothing.
 
 Threading: Numba's OpenMP pool for the integer kernels, started at import by
-:func:`.threads.start_threads` (workers sleep between regions, ``PASSIVE``, unless the
-user's ``OMP_WAIT_POLICY`` says otherwise; ``os.environ`` is left untouched); a small
+:func:`.threads.start_threads` (the OpenMP runtime's default wait policy: workers spin a
+few ms after a region, so they stay awake while generating and sleep between requests;
+a user's ``OMP_WAIT_POLICY`` applies as given; ``os.environ`` is left untouched); a small
 Python thread pool with single-threaded OpenBLAS for the BLAS GEMMs (:mod:`.gemm`), so
 two spinning pools never fight over the cores. :func:`kernel_paths` and
 :func:`.threads.threading_info` say what this process chose.

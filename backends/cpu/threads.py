@@ -1,25 +1,20 @@
-"""Numba's threading layer, started with edgeinfer's OpenMP wait policy, and the record of
-what the process runs under.
+"""Numba's threading layer, started with the OpenMP runtime's own wait policy, and the
+record of what the process runs under.
 
-The wait policy: Numba's OpenMP workers should sleep between parallel regions
-(``PASSIVE``) rather than spin (libgomp's default spins ~300k iterations, a few ms, after
-each region; ``ACTIVE`` spins for minutes): on a machine shared with other processes a
-spinning worker burns the time slice its partner needs.
+The wait policy: between parallel regions Numba's OpenMP workers either spin or sleep.
+A decode step is ~60 regions a few microseconds apart; a sleeping worker (``PASSIVE``)
+takes tens of microseconds to wake on this kind of VM, so the main thread does most of a
+GEMV alone and two threads barely beat one. The runtime's default spins a bounded while
+after each region, then sleeps (libgomp: ``GOMP_SPINCOUNT`` 300000 iterations, a few ms;
+``initialize_env`` in libgomp's ``env.c``; LLVM's libomp: ``KMP_BLOCKTIME`` 200 ms): the
+workers spin only while regions keep coming, i.e. while generating, and a waiting chat or
+server costs nothing after those few ms. ``ACTIVE`` would spin for minutes.
 
-libgomp reads ``OMP_WAIT_POLICY`` once, from the C environment, when it is loaded
-(``initialize_env`` in libgomp's ``env.c``, a library constructor), and offers no call to
-change it later. Numba loads it when it starts its threading layer (``_launch_threads``
-in ``numba/np/ufunc/parallel.py``, run by the first ``set_num_threads`` or parallel
-call). So :func:`start_threads` puts ``OMP_WAIT_POLICY=PASSIVE`` in the environment
-for exactly that call and removes it right after: the pool keeps PASSIVE, while
-``os.environ`` (and so every subprocess, e.g. llama.cpp in the benchmark) is left as the
-user had it. It applies nothing when the user set ``OMP_WAIT_POLICY`` (their value wins)
-or when the runtime Numba will run on was already loaded, its policy fixed then (e.g.
-torch imported first: its own libgomp sits in the global symbol scope and Numba binds to
-it); the record says which of these happened.
-
-The window in which the variable is set is one library load; a subprocess started by
-another thread inside that window would inherit it (edgeinfer starts none).
+So :func:`start_threads` leaves the policy to the runtime (the same default llama.cpp's
+OpenMP gets) and never writes ``os.environ``; a user's ``OMP_WAIT_POLICY`` (or
+``GOMP_SPINCOUNT``) is read by the runtime as given. The record says which applies, and
+when the runtime Numba runs on was loaded before (e.g. torch imported first: its own
+libgomp sits in the global symbol scope and Numba binds to it).
 """
 from __future__ import annotations
 
@@ -30,8 +25,6 @@ import struct
 import threading
 from typing import NamedTuple
 
-#: The policy edgeinfer applies to its own pool when the user did not choose one.
-DEFAULT_WAIT_POLICY = "PASSIVE"
 _VAR = "OMP_WAIT_POLICY"
 #: OpenMP runtimes that read OMP_WAIT_POLICY when loaded (GNU, LLVM, Intel).
 _OMP_LIBS = ("libgomp", "libomp", "libiomp5")
@@ -42,10 +35,11 @@ class ThreadingInfo(NamedTuple):
 
     ``layer``: Numba's threading layer (``"omp"``, ``"tbb"`` or ``"workqueue"``).
     ``wait_policy``: ``"PASSIVE"``, ``"ACTIVE"``, ``"default"`` (the OpenMP runtime's own:
-    libgomp spins a few ms, then sleeps) or ``"n/a"`` (a layer without one).
-    ``source``: ``"edgeinfer"`` (applied by :func:`start_threads`), ``"environment"``
-    (the user's ``OMP_WAIT_POLICY``), ``"preloaded"`` (an OpenMP runtime was loaded
-    before the layer started, so nothing could be applied) or ``"none"``.
+    libgomp spins a few ms after a region, then sleeps) or ``"n/a"`` (a layer without one).
+    ``source``: ``"edgeinfer"`` (the pool started by :func:`start_threads`, on the
+    runtime's default), ``"environment"`` (the user's ``OMP_WAIT_POLICY``),
+    ``"preloaded"`` (an OpenMP runtime was loaded before the layer started, its settings
+    fixed then) or ``"none"``.
     """
 
     layer: str
@@ -121,17 +115,11 @@ def start_threads() -> ThreadingInfo:
         preloaded = bool(getattr(parallel, "_is_initialized", False)) or _omp_runtime_loaded()
         if user is not None:
             policy, source = user.strip().upper() or "default", "environment"
-            parallel._launch_threads()
         elif preloaded:
             policy, source = "default", "preloaded"
-            parallel._launch_threads()
         else:
-            policy, source = DEFAULT_WAIT_POLICY, "edgeinfer"
-            os.environ[_VAR] = DEFAULT_WAIT_POLICY
-            try:
-                parallel._launch_threads()
-            finally:
-                os.environ.pop(_VAR, None)  # it was absent: leave it absent
+            policy, source = "default", "edgeinfer"
+        parallel._launch_threads()
         layer = numba.threading_layer()
         if layer != "omp":
             policy, source = "n/a", "none"
