@@ -4,9 +4,9 @@ usage:
   python benchmarks/act_fidelity.py [--model smollm2-135m-instruct|PATH] [--chunks 4]
         [--no-decode]
 
-Both sides run the same weights (a catalog name runs as its INT4 ``.eif``, made on first
-use) on WikiText-2 test, llama.cpp's perplexity method (512-token chunks, second half
-scored). The baseline is ``CpuBackend(exact_decode=True)``: dequantized weights, float32
+Both sides run the same weights (a path; a catalog name runs as its ``NAME:int4``
+``.eif``, made on first use) on WikiText-2 test, llama.cpp's perplexity method
+(512-token chunks, second half scored). The baseline is ``CpuBackend(exact_decode=True)``: dequantized weights, float32
 activations, BLAS. Measured:
 
 * ``prefill``: the default backend, each chunk as one prefill (the integer GEMM);
@@ -36,8 +36,9 @@ def _source(name: str):
     from edgeinfer.quant.convert import convert
     from edgeinfer.readers import read_model
 
-    return read_model(str(resolve_model(name, progress=False, prepare_int4=True,
-                                        converter=convert)))
+    if ":" not in name and not Path(name).exists():
+        name += ":int4"  # a bare catalog name: its INT4 .eif, made on first use
+    return read_model(str(resolve_model(name, progress=False, converter=convert)))
 
 
 def _logprobs(logits: np.ndarray) -> np.ndarray:
