@@ -36,18 +36,24 @@ speculation is then off (logged once per engine):
   differently), nor on the reference / OpenCL backends (their M = 1 and M = T paths
   are not proven bit-identical).
 
+Drafts are chosen to be long where the match is: among the last :data:`CANDIDATES`
+occurrences of the longest matched n-gram, the one whose matched run (the ids equal
+before it, counted back up to :data:`RUN_MAX`) is longest, the most recent on a tie; a
+run of r ids that continued in the text so far is likely to go on, so up to
+``max(policy k, r)`` ids are drafted (capped by ``k_max``, :data:`K_MAX`).
+
 Policy (:class:`DraftPolicy`): k starts at :data:`K_START`, grows by 2 on full acceptance
-up to ``k_max`` (:data:`K_MAX`), shrinks to (accepted + 1) on a rejection, never below
-:data:`K_MIN` (M = 2 runs two GEMV rows on the CPU backend: it cannot pay). A step
-without an n-gram match costs a dict lookup. When the acceptance over the last
-:data:`WINDOW` verifies falls below :data:`MIN_ACCEPT_RATE`, drafting pauses for a number
-of tokens that doubles on each consecutive pause (from :data:`PAUSE_START` up to
-:data:`PAUSE_MAX`) and resets after a window that pays.
+up to ``k_max``, shrinks to (accepted + 1) on a rejection, never below :data:`K_MIN`
+(M = 2 runs two GEMV rows on the CPU backend: it cannot pay). A step without an n-gram
+match costs a dict lookup. When the acceptance over the last :data:`WINDOW` verifies
+falls below :data:`MIN_ACCEPT_RATE`, drafting pauses for a number of tokens that doubles
+on each consecutive pause (from :data:`PAUSE_START` up to :data:`PAUSE_MAX`) and resets
+after a window that pays; a window at or above that rate never pauses.
 
 Modes: ``"ngram"`` drafts whenever that policy allows; ``"auto"`` (the default) also
-only while a verify pays by measured time (:class:`CostModel`: the M = k + 1 forward's
-cost against a decode step's, with the acceptance rate); ``"off"`` never drafts. A
-batched scheduler passes ``"off"``. The tokens are the same in every mode.
+only while a verify pays by measured time (:class:`CostModel`: robust fits of the
+decode step's and the verify's cost, the accepted-run distribution, hysteresis); ``"off"``
+never drafts. A batched scheduler passes ``"off"``. The tokens are the same in every mode.
 """
 from __future__ import annotations
 
@@ -63,16 +69,27 @@ log = logging.getLogger("edgeinfer")
 #: the values of ``speculate`` (API, CLI ``--speculate``, server)
 SPECULATE_MODES = ("auto", "ngram", "off")
 NGRAM_MAX = 3
+CANDIDATES = 4     # earlier occurrences kept per n-gram
+RUN_MAX = 64       # ids compared back to measure a matched run
 K_START = 4
 K_MIN = 2
-K_MAX = 12
+K_MAX = 32
 WINDOW = 8
 MIN_ACCEPT_RATE = 0.25
 PAUSE_START = 16
 PAUSE_MAX = 512
-PRIOR_SLOPE = 0.15
-EMA = 0.3
-EXPLORE = 16
+# auto's cost model (CostModel)
+COST_WINDOW = 16   # timings kept per kind (decode steps, verifies)
+RUN_WINDOW = 16    # verifies whose accepted runs estimate the run distribution
+MIN_DECODES = 3    # decode steps timed before a verify is weighed
+PRIOR_SLOPE = 0.15  # a verified draft's cost in decode steps until a verify is timed
+PRIOR_ALPHA = 2 / 3  # per-draft acceptance before any verify
+PRIOR_WEIGHT = 3.0  # draft positions that prior counts as
+ON_GAIN = 1.08     # off -> on when the best k's tokens/s beats decoding by this factor
+OFF_GAIN = 1.0     # on -> off below this one
+EXPLORE = 16       # refusals before an exploring verify (doubles while it stays off)
+EXPLORE_MAX = 256
+LONG_RUN = 12       # a matched run this long is weighed apart from shorter ones
 
 _UNSET = object()
 
@@ -126,12 +143,13 @@ def speculation_problem(engine, speculate: str) -> str | None:
 
 
 class NgramIndex:
-    """The most recent earlier occurrence of every n-gram (n = 1..``n_max``) of a
-    growing id sequence, for drafting.
+    """Earlier occurrences of every n-gram (n = 1..``n_max``) of a growing id sequence,
+    for drafting.
 
-    ``maps[n][ids[j-n:j]] = j``: the position right after the n-gram's latest
-    occurrence whose continuation is known (registered when ``ids[j]`` arrives), so
-    the sequence's own suffix never matches itself.
+    ``maps[n][ids[j-n:j]]`` lists (oldest first, at most :data:`CANDIDATES`) the
+    positions ``j`` right after the n-gram's occurrences whose continuation is known
+    (registered when ``ids[j]`` arrives), so the sequence's own suffix never matches
+    itself.
     """
 
     def __init__(self, ids: Sequence[int] = (), n_max: int = NGRAM_MAX):
@@ -145,18 +163,40 @@ class NgramIndex:
         ids = self.ids
         j = len(ids)
         for n in range(1, min(self.n_max, j) + 1):
-            self.maps[n][tuple(ids[j - n:j])] = j
+            seen = self.maps[n].setdefault(tuple(ids[j - n:j]), [])
+            seen.append(j)
+            if len(seen) > CANDIDATES:
+                del seen[0]
         ids.append(token)
 
-    def draft(self, k: int) -> list[int]:
-        """Up to ``k`` ids continuing the longest suffix (<= n_max) seen before; []
+    def match(self) -> tuple[int, int]:
+        """(j, run): the continuation ``ids[j:]`` of the longest suffix (<= n_max) seen
+        before, from the occurrence with the longest matched run (``run`` ids equal
+        before ``j`` and at the end, <= :data:`RUN_MAX`; the latest on a tie); (-1, 0)
         when no suffix occurred earlier."""
         ids = self.ids
-        for n in range(min(self.n_max, len(ids)), 0, -1):
-            j = self.maps[n].get(tuple(ids[-n:]))
-            if j is not None:
-                return ids[j:j + k]
-        return []
+        end = len(ids)
+        for n in range(min(self.n_max, end), 0, -1):
+            seen = self.maps[n].get(tuple(ids[-n:]))
+            if not seen:
+                continue
+            best_j, best_run = -1, 0
+            for j in reversed(seen):
+                run, cap = n, min(RUN_MAX, j)
+                while run < cap and ids[j - run - 1] == ids[end - run - 1]:
+                    run += 1
+                if run > best_run:
+                    best_j, best_run = j, run
+            return best_j, best_run
+        return -1, 0
+
+    def draft(self, k: int, k_run: int = 0) -> list[int]:
+        """Up to ``max(k, min(k_run, run))`` ids continuing :meth:`match` (``run``: its
+        matched run); [] when no suffix occurred earlier."""
+        j, run = self.match()
+        if j < 0:
+            return []
+        return self.ids[j:j + max(k, min(k_run, run))]
 
 
 class DraftPolicy:
@@ -190,55 +230,137 @@ class DraftPolicy:
                 self.pause = PAUSE_START
 
 
-class CostModel:
-    """``auto``'s check that a verify pays, from measured times (seconds).
+def _median(xs) -> float:
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
-    A decode step costs ``c1`` and a verify of M = k + 1 tokens ``c1 + b * k`` (both
-    exponential moving averages of measurements; until a verify is timed,
-    ``b = PRIOR_SLOPE * c1``). With a per-draft acceptance probability ``alpha`` (the
-    accepted / (accepted + rejections) of the last :data:`WINDOW` verifies, prior 2/3),
-    a verify of k drafts yields ``(1 - alpha**(k+1)) / (1 - alpha)`` tokens on average
-    (Leviathan et al. 2023, eq. 1). :meth:`best_k` is the k <= ``k_cap`` that maximizes
-    tokens per second, or 0 when none beats plain decoding (1 / c1). Every
-    :data:`EXPLORE`-th refusal drafts anyway, so that alpha and b follow the text and
-    the machine. Only speed depends on this: the tokens are the same either way.
+
+class CostModel:
+    """``auto``'s choice of k (0: decode instead) from measured times, deterministic
+    given them.
+
+    Cost: a decode step costs ``c1``, the median of the last :data:`COST_WINDOW` timed
+    steps; a verify of k drafts (M = k + 1) ``c1 + fixed + slope * k``, fit to the last
+    :data:`COST_WINDOW` verifies by Theil-Sen (the median of the pairwise slopes between
+    verifies of different k, then the median intercept; Sen 1968), or, while fewer than 3
+    such pairs exist, ``fixed = 0`` and the median of ``(t - c1) / k``; before any verify,
+    ``slope = PRIOR_SLOPE * c1``. A cost is never below ``c1``. Medians make one slow step
+    (another process, a page fault) move nothing.
+
+    Tokens: a verify of k drafts yields ``1 + sum_{i<=k} S(i)``, ``S(i)`` the probability
+    that at least i drafts are accepted: a Kaplan-Meier estimate (Kaplan and Meier 1958)
+    from the last :data:`RUN_WINDOW` verifies (a fully accepted draft is censored at its
+    length), each position's hazard shrunk toward the pooled rejection rate (prior
+    ``1 - PRIOR_ALPHA`` worth :data:`PRIOR_WEIGHT` positions), the pooled rate beyond the
+    longest draft seen. Unlike one per-draft rate, this keeps the long runs of copied
+    text apart from the short ones of free text.
+
+    Choice: the k <= ``k_cap`` with the most tokens per second; drafting switches on
+    when that beats decoding (1 / c1) by :data:`ON_GAIN` and off below :data:`OFF_GAIN`
+    (hysteresis: noise near break-even does not flap). While off, a verify at ``k_cap``
+    runs after :data:`EXPLORE` refusals, the gap doubling up to :data:`EXPLORE_MAX` while
+    it stays off, so that the estimates follow the text and the machine. Only speed
+    depends on this: the tokens are the same either way.
     """
 
     def __init__(self):
-        self.c1: float | None = None
-        self.b: float | None = None
-        self.window: deque = deque(maxlen=WINDOW)  # (accepted, rejected) per verify
-        self.refused = 0
-
-    @staticmethod
-    def _ema(old: float | None, new: float) -> float:
-        return new if old is None else old + EMA * (new - old)
+        self.decodes: deque = deque(maxlen=COST_WINDOW)   # seconds per decode step
+        self.verifies: deque = deque(maxlen=COST_WINDOW)  # (k, seconds)
+        self._fit: tuple[float, float, float] | None = None  # (c1, fixed, slope)
+        self.classes = [_RunClass(), _RunClass()]  # matched run < / >= LONG_RUN
 
     def decode_time(self, dt: float) -> None:
-        self.c1 = self._ema(self.c1, dt)
+        self.decodes.append(float(dt))
+        self._fit = None
 
-    def verify_time(self, k: int, dt: float, accepted: int) -> None:
-        if self.c1 is not None:
-            self.b = self._ema(self.b, max(0.0, dt - self.c1) / k)
-        self.window.append((accepted, int(accepted < k)))
+    def verify_time(self, k: int, dt: float, accepted: int, run: int = 0) -> None:
+        """A verify of ``k`` drafts took ``dt`` seconds and ``accepted`` were accepted;
+        ``run``: the matched run they were drafted from."""
+        self.verifies.append((int(k), float(dt)))
+        self.classes[run >= LONG_RUN].add(k, accepted)
+        self._fit = None
 
-    def best_k(self, k_cap: int) -> int:
-        if self.c1 is None:
-            return 0  # time a decode step first
-        a = 2 + sum(w[0] for w in self.window)
-        r = 1 + sum(w[1] for w in self.window)
-        alpha = a / (a + r)
-        b = PRIOR_SLOPE * self.c1 if self.b is None else self.b
-        best, best_rate = 0, 1.0 / self.c1
-        for k in range(K_MIN, k_cap + 1):
-            rate = (1 - alpha ** (k + 1)) / (1 - alpha) / (self.c1 + b * k)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best == 0:
-            self.refused += 1
-            if self.refused % EXPLORE == 0:
-                return min(K_MIN, k_cap)
-        return best
+    def costs(self) -> tuple[float, float, float]:
+        """(c1, fixed, slope) in seconds (module docstring)."""
+        if self._fit is None:
+            c1 = _median(self.decodes)
+            v = list(self.verifies)
+            slopes = [(tj - ti) / (kj - ki) for a, (ki, ti) in enumerate(v)
+                      for kj, tj in v[a + 1:] if kj != ki]
+            if len(slopes) >= 3:
+                slope = max(0.0, _median(slopes))
+                fixed = _median([t - c1 - slope * k for k, t in v])
+            elif v:
+                slope, fixed = max(0.0, _median([(t - c1) / k for k, t in v])), 0.0
+            else:
+                slope, fixed = PRIOR_SLOPE * c1, 0.0
+            self._fit = (c1, fixed, slope)
+        return self._fit
+
+    def rate(self, k: int, run: int = 0) -> float:
+        """Expected tokens per second of a verify of k drafts from a matched run of
+        ``run`` ids (k = 0: a decode step)."""
+        c1, fixed, slope = self.costs()
+        if k == 0:
+            return 1.0 / c1
+        tokens = 1.0 + sum(self.classes[run >= LONG_RUN].survival(k))
+        return tokens / max(c1, c1 + fixed + slope * k)
+
+    def best_k(self, k_cap: int, run: int = 0) -> int:
+        """The number of drafts to verify now, <= ``k_cap`` (0: decode a step), for
+        drafts from a matched run of ``run`` ids."""
+        if len(self.decodes) < MIN_DECODES or k_cap < K_MIN:
+            return 0  # time decode steps first
+        cls = self.classes[run >= LONG_RUN]
+        best = max(range(K_MIN, k_cap + 1), key=lambda k: self.rate(k, run))  # first on a tie
+        gain = self.rate(best, run) / self.rate(0)
+        if gain >= (OFF_GAIN if cls.on else ON_GAIN):
+            if not cls.on:
+                cls.on, cls.gap = True, EXPLORE
+            cls.refused = 0
+            return best
+        if cls.on:
+            cls.on, cls.refused = False, 0
+        cls.refused += 1
+        if cls.refused >= cls.gap:
+            cls.refused = 0
+            cls.gap = min(EXPLORE_MAX, 2 * cls.gap)
+            return k_cap  # explore at the policy's k
+        return 0
+
+
+class _RunClass:
+    """CostModel's state for drafts from one class of matched runs: the accepted runs of
+    its last :data:`RUN_WINDOW` verifies, on / off, the exploration gap."""
+
+    def __init__(self):
+        self.runs: deque = deque(maxlen=RUN_WINDOW)  # (drafted, accepted)
+        self.on = True
+        self.refused = 0
+        self.gap = EXPLORE
+        self._surv: list[float] | None = None
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.runs.append((int(drafted), int(accepted)))
+        self._surv = None
+
+    def survival(self, k: int) -> list[float]:
+        """[S(1), ..., S(k)]: the estimated probability that >= i drafts are accepted."""
+        if self._surv is None or len(self._surv) < k:
+            runs = list(self.runs)
+            events = sum(int(a < d) for d, a in runs)
+            exposure = sum(a + int(a < d) for d, a in runs)
+            pooled = ((events + (1 - PRIOR_ALPHA) * PRIOR_WEIGHT)
+                      / (exposure + PRIOR_WEIGHT))
+            surv, s = [], 1.0
+            for i in range(1, k + 1):
+                at_risk = sum(1 for d, a in runs if d >= i and a >= i - 1)
+                rejected = sum(1 for d, a in runs if d >= i and a == i - 1)
+                s *= 1 - (rejected + pooled * PRIOR_WEIGHT) / (at_risk + PRIOR_WEIGHT)
+                surv.append(s)
+            self._surv = surv
+        return self._surv[:k]
 
 
 class Speculator:
@@ -275,6 +397,7 @@ class Speculator:
         self._drafts: list[int] = []
         self._i = 0  # drafts of the last verify accepted so far
         self._t_verify = 0.0  # seconds the last verify took (auto)
+        self._run = 0  # the matched run the last drafts came from
 
     @property
     def length(self) -> int:
@@ -320,22 +443,27 @@ class Speculator:
         if not self.policy.allows():
             return []
         # room: the verify's k + 1 positions in the context, no draft past max_tokens
-        k = min(self.policy.k, self.left, eng.n_ctx - eng.cache.length - 1)
+        room = min(self.policy.k_max, self.left, eng.n_ctx - eng.cache.length - 1)
         if eng._switch is not None and not eng._cache_long:
-            k = min(k, eng._switch - eng.cache.length - 1)  # stay below LongRoPE's switch
-        if k < K_MIN:
+            room = min(room, eng._switch - eng.cache.length - 1)  # below LongRoPE's switch
+        if room < K_MIN:
+            return []
+        j, run = self.index.match()
+        if j < 0:
+            return []
+        k = min(room, max(self.policy.k, run))
+        drafts = self.index.ids[j:j + k]
+        if len(drafts) < K_MIN:
             return []
         if self.cost is not None:
-            k = self.cost.best_k(k)
-            if k < K_MIN:
-                return []
-        drafts = self.index.draft(k)
+            drafts = drafts[:self.cost.best_k(len(drafts), run)]
+        self._run = run
         return drafts if len(drafts) >= K_MIN else []
 
     def _finish_verify(self) -> None:
         self.policy.update(len(self._drafts), self._i)
         if self.cost is not None:
-            self.cost.verify_time(len(self._drafts), self._t_verify, self._i)
+            self.cost.verify_time(len(self._drafts), self._t_verify, self._i, self._run)
         self._rows = None
 
     def _rollback(self) -> None:
