@@ -79,11 +79,14 @@ MIN_ACCEPT_RATE = 0.25
 PAUSE_START = 16
 PAUSE_MAX = 512
 # auto's cost model (CostModel)
-COST_WINDOW = 16   # timings kept per kind (decode steps, verifies)
+COST_WINDOW = 16   # decode step timings kept
+VERIFY_WINDOW = 16  # verify timings kept
 RUN_WINDOW = 16    # verifies whose accepted runs estimate the run distribution
 MIN_DECODES = 3    # decode steps timed before a verify is weighed
+MIN_OFF_MODE = 3   # verifies at other k than the commonest one before a line is fit
+REFRESH = 32       # verifies in a row before a decode step is timed again
 PRIOR_SLOPE = 0.15  # a verified draft's cost in decode steps until a verify is timed
-PRIOR_ALPHA = 2 / 3  # per-draft acceptance before any verify
+PRIOR_ALPHA = (2 / 3, 0.9)  # per-draft acceptance before any verify: short / long runs
 PRIOR_WEIGHT = 3.0  # draft positions that prior counts as
 ON_GAIN = 1.08     # off -> on when the best k's tokens/s beats decoding by this factor
 OFF_GAIN = 1.0     # on -> off below this one
@@ -241,10 +244,13 @@ class CostModel:
     given them.
 
     Cost: a decode step costs ``c1``, the median of the last :data:`COST_WINDOW` timed
-    steps; a verify of k drafts (M = k + 1) ``c1 + fixed + slope * k``, fit to the last
-    :data:`COST_WINDOW` verifies by Theil-Sen (the median of the pairwise slopes between
-    verifies of different k, then the median intercept; Sen 1968), or, while fewer than 3
-    such pairs exist, ``fixed = 0`` and the median of ``(t - c1) / k``; before any verify,
+    steps (one is timed after :data:`REFRESH` verifies in a row); a verify of k drafts
+    (M = k + 1) ``c1 + fixed + slope * k``, fit to the last :data:`VERIFY_WINDOW`
+    verifies, each timed in units of the c1 of its time (so that a load that slows both
+    kinds alike changes no ratio), by Theil-Sen (the median of the pairwise slopes between
+    verifies of different k, then the median intercept; Sen 1968) once
+    :data:`MIN_OFF_MODE` of them differ from the commonest k, else ``fixed = 0`` and the
+    median of ``(t - c1) / k`` (a line through one k is not a fit); before any verify,
     ``slope = PRIOR_SLOPE * c1``. A cost is never below ``c1``. Medians make one slow step
     (another process, a page fault) move nothing.
 
@@ -252,50 +258,55 @@ class CostModel:
     that at least i drafts are accepted: a Kaplan-Meier estimate (Kaplan and Meier 1958)
     from the last :data:`RUN_WINDOW` verifies (a fully accepted draft is censored at its
     length), each position's hazard shrunk toward the pooled rejection rate (prior
-    ``1 - PRIOR_ALPHA`` worth :data:`PRIOR_WEIGHT` positions), the pooled rate beyond the
-    longest draft seen. Unlike one per-draft rate, this keeps the long runs of copied
+    ``1 - PRIOR_ALPHA``, 2/3 acceptance from short runs and 0.9 from long ones, worth
+    :data:`PRIOR_WEIGHT` positions), the pooled rate beyond the longest draft seen. Unlike one per-draft rate, this keeps the long runs of copied
     text apart from the short ones of free text.
 
     Choice: the k <= ``k_cap`` with the most tokens per second; drafting switches on
     when that beats decoding (1 / c1) by :data:`ON_GAIN` and off below :data:`OFF_GAIN`
-    (hysteresis: noise near break-even does not flap). While off, a verify at ``k_cap``
-    runs after :data:`EXPLORE` refusals, the gap doubling up to :data:`EXPLORE_MAX` while
+    (hysteresis: noise near break-even does not flap). While off, a verify at the policy's
+    k runs after :data:`EXPLORE` refusals, the gap doubling up to :data:`EXPLORE_MAX` while
     it stays off, so that the estimates follow the text and the machine. Only speed
     depends on this: the tokens are the same either way.
     """
 
     def __init__(self):
         self.decodes: deque = deque(maxlen=COST_WINDOW)   # seconds per decode step
-        self.verifies: deque = deque(maxlen=COST_WINDOW)  # (k, seconds)
+        self.verifies: deque = deque(maxlen=VERIFY_WINDOW)  # (k, seconds / c1 then)
         self._fit: tuple[float, float, float] | None = None  # (c1, fixed, slope)
-        self.classes = [_RunClass(), _RunClass()]  # matched run < / >= LONG_RUN
+        self.classes = [_RunClass(a) for a in PRIOR_ALPHA]  # matched run < / >= LONG_RUN
+        self.since_decode = 0  # verifies since the last timed decode step
 
     def decode_time(self, dt: float) -> None:
         self.decodes.append(float(dt))
+        self.since_decode = 0
         self._fit = None
 
     def verify_time(self, k: int, dt: float, accepted: int, run: int = 0) -> None:
         """A verify of ``k`` drafts took ``dt`` seconds and ``accepted`` were accepted;
         ``run``: the matched run they were drafted from."""
-        self.verifies.append((int(k), float(dt)))
+        if self.decodes:
+            self.verifies.append((int(k), float(dt) / _median(self.decodes)))
         self.classes[run >= LONG_RUN].add(k, accepted)
+        self.since_decode += 1
         self._fit = None
 
     def costs(self) -> tuple[float, float, float]:
         """(c1, fixed, slope) in seconds (module docstring)."""
         if self._fit is None:
             c1 = _median(self.decodes)
-            v = list(self.verifies)
+            v = list(self.verifies)  # costs in decode steps
+            modal = max((sum(1 for k, _ in v if k == k0) for k0, _ in v), default=0)
             slopes = [(tj - ti) / (kj - ki) for a, (ki, ti) in enumerate(v)
                       for kj, tj in v[a + 1:] if kj != ki]
-            if len(slopes) >= 3:
+            if len(v) - modal >= MIN_OFF_MODE:  # enough verifies off the commonest k
                 slope = max(0.0, _median(slopes))
-                fixed = _median([t - c1 - slope * k for k, t in v])
+                fixed = _median([t - 1 - slope * k for k, t in v])
             elif v:
-                slope, fixed = max(0.0, _median([(t - c1) / k for k, t in v])), 0.0
+                slope, fixed = max(0.0, _median([(t - 1) / k for k, t in v])), 0.0
             else:
-                slope, fixed = PRIOR_SLOPE * c1, 0.0
-            self._fit = (c1, fixed, slope)
+                slope, fixed = PRIOR_SLOPE, 0.0
+            self._fit = (c1, c1 * fixed, c1 * slope)
         return self._fit
 
     def rate(self, k: int, run: int = 0) -> float:
@@ -307,11 +318,14 @@ class CostModel:
         tokens = 1.0 + sum(self.classes[run >= LONG_RUN].survival(k))
         return tokens / max(c1, c1 + fixed + slope * k)
 
-    def best_k(self, k_cap: int, run: int = 0) -> int:
+    def best_k(self, k_cap: int, run: int = 0, k_explore: int | None = None) -> int:
         """The number of drafts to verify now, <= ``k_cap`` (0: decode a step), for
-        drafts from a matched run of ``run`` ids."""
+        drafts from a matched run of ``run`` ids; an exploring verify drafts
+        ``min(k_cap, k_explore)`` (default ``k_cap``)."""
         if len(self.decodes) < MIN_DECODES or k_cap < K_MIN:
             return 0  # time decode steps first
+        if self.since_decode >= REFRESH:
+            return 0  # a decode step to keep c1 current
         cls = self.classes[run >= LONG_RUN]
         best = max(range(K_MIN, k_cap + 1), key=lambda k: self.rate(k, run))  # first on a tie
         gain = self.rate(best, run) / self.rate(0)
@@ -326,7 +340,7 @@ class CostModel:
         if cls.refused >= cls.gap:
             cls.refused = 0
             cls.gap = min(EXPLORE_MAX, 2 * cls.gap)
-            return k_cap  # explore at the policy's k
+            return k_cap if k_explore is None else max(K_MIN, min(k_cap, k_explore))
         return 0
 
 
@@ -334,7 +348,8 @@ class _RunClass:
     """CostModel's state for drafts from one class of matched runs: the accepted runs of
     its last :data:`RUN_WINDOW` verifies, on / off, the exploration gap."""
 
-    def __init__(self):
+    def __init__(self, prior_alpha: float):
+        self.prior_alpha = prior_alpha
         self.runs: deque = deque(maxlen=RUN_WINDOW)  # (drafted, accepted)
         self.on = True
         self.refused = 0
@@ -351,7 +366,7 @@ class _RunClass:
             runs = list(self.runs)
             events = sum(int(a < d) for d, a in runs)
             exposure = sum(a + int(a < d) for d, a in runs)
-            pooled = ((events + (1 - PRIOR_ALPHA) * PRIOR_WEIGHT)
+            pooled = ((events + (1 - self.prior_alpha) * PRIOR_WEIGHT)
                       / (exposure + PRIOR_WEIGHT))
             surv, s = [], 1.0
             for i in range(1, k + 1):
@@ -456,7 +471,7 @@ class Speculator:
         if len(drafts) < K_MIN:
             return []
         if self.cost is not None:
-            drafts = drafts[:self.cost.best_k(len(drafts), run)]
+            drafts = drafts[:self.cost.best_k(len(drafts), run, self.policy.k)]
         self._run = run
         return drafts if len(drafts) >= K_MIN else []
 
