@@ -259,6 +259,76 @@ def test_context_end_and_max_tokens_identical(stories_src):
         assert on == off and len(on) == n
 
 
+def _forwards(model, fn):
+    """(fn(), [(cache length before, M)] of every forward call fn makes)."""
+    tr, log = model.engine.model, []
+
+    def counted(feed, cache, *a, **kw):
+        log.append((cache.length, len(feed)))
+        return type(tr).forward(tr, feed, cache, *a, **kw)
+
+    tr.forward = counted  # instance attribute: shadows the method
+    try:
+        return fn(), log
+    finally:
+        del tr.forward
+
+
+def test_long_drafts_hit_the_context_end_identical(stories_src):
+    """Drafts longer than the policy's k (a long matched run) run into the end of the
+    context: a verify is clipped to fill it exactly, and the tokens, finish reason and
+    cache bytes are those of plain decoding."""
+    n_ctx = 150  # a run of 17 drafts starts at 141 (n_ctx 512): clipped to 8 here
+    model = _model(stories_src, "int8", n_ctx=n_ctx)
+    ids = model.encode_prompt(PROMPT)
+    off, fin_off = _run(model, ids, "off", max_tokens=400)
+    cache_off = _cache_bytes(model)
+    (on, fin_on), log = _forwards(model, lambda: _run(model, ids, "ngram", max_tokens=400))
+    assert on == off and fin_on.finish_reason == fin_off.finish_reason == "length"
+    verifies = [(p, m) for p, m in log if m > 1 and p >= len(ids) - 1]
+    assert max(m for _, m in verifies) - 1 > K_START + 2   # drafts past the policy's k
+    assert any(p + m == n_ctx and m > K_START + 2 for p, m in verifies)  # clipped at the end
+    assert model.engine.cache.length == len(model.engine.cached_ids) <= n_ctx
+    assert _cache_bytes(model) == cache_off
+
+
+def test_stop_string_inside_a_draft_identical(stories_src, monkeypatch):
+    """A stop string completed by an accepted draft token ends the stream there, as in
+    plain decoding: same tokens, text and finish reason; the verify's rest is trimmed off
+    the cache. Control: some of the stops really fall inside a pending verify."""
+    from edgeinfer import speculative
+
+    model = _model(stories_src, "int8")
+    ids = model.encode_prompt(PROMPT * 2)
+    full, _ = _run(model, ids, "off", max_tokens=120)
+    pending = []
+    close = speculative.Speculator.close
+
+    def spy(self):
+        pending.append(self._rows is not None and self._i < len(self._drafts))
+        close(self)
+
+    monkeypatch.setattr(speculative.Speculator, "close", spy)
+    inside = 0
+    for i in range(12, 100, 8):
+        stop = model.tokenizer.decode(full[i:i + 2]).strip()
+        if len(stop) < 3:
+            continue
+        model.engine.reset()
+        ev_off = list(model.stream_ids(ids, max_tokens=120, stop=[stop], speculate="off"))
+        cache_off = _cache_bytes(model)
+        pending.clear()
+        model.engine.reset()
+        ev_on = list(model.stream_ids(ids, max_tokens=120, stop=[stop], speculate="ngram"))
+        assert [e.token for e in ev_on] == [e.token for e in ev_off], stop
+        assert "".join(e.text for e in ev_on) == "".join(e.text for e in ev_off)
+        assert ev_on[-1].finish_reason == ev_off[-1].finish_reason == "stop"
+        assert model.engine.cache.length == len(model.engine.cached_ids)
+        assert _cache_bytes(model) == cache_off
+        inside += pending == [True]
+    assert inside >= 2
+
+
 def test_chat_reuse_after_speculation(stories_src):
     """A second call reusing the cache after a speculative one equals it cold."""
     model = _model(stories_src, "int8")
