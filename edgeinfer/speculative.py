@@ -48,7 +48,7 @@ up to ``k_max``, shrinks to (accepted + 1) on a rejection, never below :data:`K_
 match costs a dict lookup. When the acceptance over the last :data:`WINDOW` verifies
 falls below :data:`MIN_ACCEPT_RATE`, drafting pauses for a number of tokens that doubles
 on each consecutive pause (from :data:`PAUSE_START` up to :data:`PAUSE_MAX`) and resets
-after a window that pays; a window at or above that rate never pauses.
+after a window that pays.
 
 Modes: ``"ngram"`` drafts whenever that policy allows; ``"auto"`` (the default) also
 only while a verify pays by measured time (:class:`CostModel`: robust fits of the
@@ -259,8 +259,9 @@ class CostModel:
     from the last :data:`RUN_WINDOW` verifies (a fully accepted draft is censored at its
     length), each position's hazard shrunk toward the pooled rejection rate (prior
     ``1 - PRIOR_ALPHA``, 2/3 acceptance from short runs and 0.9 from long ones, worth
-    :data:`PRIOR_WEIGHT` positions), the pooled rate beyond the longest draft seen. Unlike one per-draft rate, this keeps the long runs of copied
-    text apart from the short ones of free text.
+    :data:`PRIOR_WEIGHT` positions), the pooled rate beyond the longest draft seen;
+    drafts from matched runs of :data:`LONG_RUN` ids or more are counted apart. Unlike
+    one per-draft rate, this sees that copied text is accepted in long runs.
 
     Choice: the k <= ``k_cap`` with the most tokens per second; drafting switches on
     when that beats decoding (1 / c1) by :data:`ON_GAIN` and off below :data:`OFF_GAIN`
