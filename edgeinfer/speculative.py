@@ -92,7 +92,7 @@ ON_GAIN = 1.08     # off -> on when the best k's tokens/s beats decoding by this
 OFF_GAIN = 1.0     # on -> off below this one
 EXPLORE = 16       # refusals before an exploring verify (doubles while it stays off)
 EXPLORE_MAX = 256
-LONG_RUN = 12       # a matched run this long is weighed apart from shorter ones
+LONG_RUN = 8        # a matched run this long is weighed apart from shorter ones
 
 _UNSET = object()
 
