@@ -19,13 +19,11 @@ from edgeinfer import api
 from edgeinfer.sampling import Sampler, SamplingParams, make_rng
 from edgeinfer.sampling_steps import min_p_filter, top_k_filter, top_p_filter
 from edgeinfer.speculative import (
-    EXPLORE,
     K_MAX,
     K_MIN,
     K_START,
     PAUSE_START,
     WINDOW,
-    CostModel,
     DraftPolicy,
     NgramIndex,
     exactness_problem,
