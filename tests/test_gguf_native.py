@@ -3,8 +3,9 @@
 * Re-layout: ``QuantizedTensor.dequantize`` of every re-laid type equals
   ``gguf.quants.dequantize`` of the source blocks bit for bit (random blocks, every code
   pattern, and real tensors of the catalog files).
-* Kernels: the CPU backend on the new layouts (float mins, 8-bit 5-bit codes) against the
-  numpy reference backend, decode (T = 1, int8 activations) and prefill (T > 1).
+* Kernels: the CPU backend on the new layouts (float mins, 8-bit 5-bit codes, Q6_K's
+  16-column groups) against the numpy reference backend, decode (T = 1, int8
+  activations) and prefill (T > 1); more on Q6_K in tests/test_gguf_q6k.py.
 * Real model: SmolLM2's Q4_1 / Q8_0 file loads with no float32 weight copy, the
   reference backend gives bit-identical logits to the dequantized file, and the CPU
   backend agrees with it.
@@ -33,7 +34,7 @@ FLOAT_TOL = 1e-5
 
 #: byte offsets of each type's fp16 fields (d, and m / dmin) inside a block
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q4_K": (0, 2)}
+               "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def nerr(y, ref):
@@ -86,7 +87,8 @@ def test_relayout_of_gguf_quantized_floats(qname):
 
 def test_relayout_sizes_are_the_files_own():
     rng = np.random.default_rng(0)
-    want = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0}
+    want = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0,
+            "Q6_K": 10.0}
     for qname, bpw in want.items():
         w = relayout(random_blocks(rng, qname, 4, 2), qname, "t", "x.gguf")
         assert w.bits_per_weight == bpw, qname
@@ -112,7 +114,8 @@ def test_quantized_tensor_mins_are_validated():
 
 # ---- CPU kernels on the re-laid layouts vs the reference backend ----------------------------
 KCASES = [("Q4_1", 37, 4), ("Q4_1", 300, 18), ("Q4_0", 13, 6), ("Q8_0", 9, 18),
-          ("Q5_0", 33, 6), ("Q5_1", 21, 6), ("Q5_1", 260, 18), ("Q4_K", 11, 2)]
+          ("Q5_0", 33, 6), ("Q5_1", 21, 6), ("Q5_1", 260, 18), ("Q4_K", 11, 2),
+          ("Q6_K", 11, 2), ("Q6_K", 130, 3)]
 
 
 @pytest.mark.parametrize("qname,out,nblk", KCASES)
@@ -160,7 +163,7 @@ def test_real_catalog_tensors_relayout_bit_identical(smollm2_gguf, qwen_gguf, ge
             w = relayout(g.raw(info), qn, info.name, str(path))
             assert bits_equal(w.dequantize(), g.dequantize(info)), (path, info.name)
             seen.add(qn)
-    assert seen == {"Q4_1", "Q5_0", "Q8_0", "Q4_K"}
+    assert seen == {"Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +210,13 @@ def test_smollm2_reference_logits_equal_the_dequantized_file(smollm2_pair):
     assert nerr(c1, a1) < 3e-2 and c1.argmax() == a1.argmax()  # int8 activations, 30 layers
 
 
-def test_unsupported_types_are_logged_not_silent(qwen_gguf, caplog):
+def test_unsupported_types_are_logged_not_silent(qwen_gguf, caplog, monkeypatch):
+    """Every type of the catalog files is native now: with Q6_K taken out of the table,
+    the Qwen file's Q6_K tensors load as float32 and say so (and, put back, natively)."""
+    from edgeinfer.readers import gguf_blocks
+
+    q6k = gguf_blocks.NATIVE_TYPES["Q6_K"]
+    monkeypatch.delitem(gguf_blocks.NATIVE_TYPES, "Q6_K")
     with caplog.at_level(logging.INFO, logger="edgeinfer"):
         src = read_gguf(qwen_gguf)
     msg = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
@@ -215,6 +224,12 @@ def test_unsupported_types_are_logged_not_silent(qwen_gguf, caplog):
     q6 = [n for n in src.shapes if n.endswith("down_proj.weight")]
     types = {type(src.tensors[n]).__name__ for n in q6}
     assert types == {"QuantizedTensor", "ndarray"}  # Q4_K native, Q6_K dequantized
+    monkeypatch.setitem(gguf_blocks.NATIVE_TYPES, "Q6_K", q6k)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edgeinfer"):
+        src = read_gguf(qwen_gguf)
+    assert not any("dequantized to float32" in r.getMessage() for r in caplog.records)
+    assert {type(src.tensors[n]).__name__ for n in q6} == {"QuantizedTensor"}
 
 
 def test_a_nan_block_scale_is_a_format_error_naming_the_tensor(smollm2_gguf, tmp_path):

@@ -51,8 +51,6 @@ from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
 from .elementwise import (
     PAR_MIN_ELEMS,
-    dequant_rows_q4,
-    dequant_rows_q8,
     glu_into,
     is_gelu,
     rmsnorm_rows,
@@ -63,6 +61,7 @@ from .elementwise import (
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
 from .qgemm import gemm_int
+from .qlane import gemm_lane, row_dequant
 from .kvquant import (
     attention_q,
     attention_q_serial,
@@ -70,7 +69,7 @@ from .kvquant import (
     kv_write_q,
     layer_arrays,
 )
-from .repack import CpuQuantWeight, blocks_align_with_groups, repack, repack_q8_view
+from .repack import CpuQuantWeight, repack, repack_q8_view, runs_on_integer_kernels
 
 __all__ = ["CpuBackend", "CpuQuantWeight", "kernel_paths", "physical_cores", "threading_info"]
 
@@ -142,7 +141,8 @@ class CpuBackend(Backend):
 
     Weight handles: float32 ndarray ``[out, in]`` (dense) or :class:`CpuQuantWeight`.
     Quantized weights whose scale groups straddle 32-column blocks (group size not a
-    multiple of 32 with several groups) are dequantized to float32 at upload.
+    multiple of 32 with several groups) are dequantized to float32 at upload, except
+    8-bit ones in groups of 16 (llama.cpp ``Q6_K``: :mod:`.qlane`'s lane-scaled kernels).
     """
 
     name = "cpu"
@@ -172,7 +172,7 @@ class CpuBackend(Backend):
         given back once copied (:func:`..osmemory.release_mapped_pages`), so loading never
         holds the file's pages and the repacked copy at once."""
         if isinstance(w, QuantizedTensor):
-            if blocks_align_with_groups(w):
+            if runs_on_integer_kernels(w):
                 out = repack(w)
             else:
                 out = np.ascontiguousarray(w.dequantize(), dtype=np.float32)
@@ -217,8 +217,7 @@ class CpuBackend(Backend):
             if ids.size and (ids.min() < 0 or ids.max() >= table.out_features):
                 raise IndexError(f"token id out of range 0..{table.out_features - 1}")
             out = np.empty((ids.shape[0], table.in_features), np.float32)
-            fn = dequant_rows_q4 if table.bits == 4 else dequant_rows_q8
-            fn(out, table.wp, table.sc, table.sz, table.bmap, ids.astype(np.int64, copy=False),
+            row_dequant(table)(out, table.wp, table.sc, table.sz, table.bmap, ids.astype(np.int64, copy=False),
                np.float32(scale))
             return out
         x = table[ids]
@@ -278,6 +277,8 @@ class CpuBackend(Backend):
             elif t == 1:
                 y = np.empty((1, w.out_features), np.float32)
                 gemv_quant(y[0], x2[0], w, bias, self.act_scratch)
+            elif w.lane_scales:  # a scale per 16 columns (Q6_K): .qlane, each row its GEMV's
+                y = gemm_lane(x2, w, bias)
             else:  # the multi-token kernels, each row bit-identical to its GEMV (.qgemm)
                 y = gemm_int(x2, w, bias)
         elif t <= GEMV_MAX_T or self.rows_alone:
@@ -308,13 +309,14 @@ class CpuBackend(Backend):
                 w.__class__ is not CpuQuantWeight or w.bits != w0.bits
                 or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
                 or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
+                or w.lane_scales != w0.lane_scales
                 or not np.array_equal(w.bmap, w0.bmap) for w in ws):
             return super().group_linears(ws, biases)
         cat = CpuQuantWeight(w0.bits, sum(w.out_features for w in ws), w0.in_features,
                              w0.group_size, w0.n_blocks,
                              np.concatenate([w.wp for w in ws]),
                              np.concatenate([w.sc for w in ws]),
-                             np.concatenate([w.sz for w in ws]), w0.bmap)
+                             np.concatenate([w.sz for w in ws]), w0.bmap, w0.lane_scales)
         splits, members, r = [], [], 0
         for w in ws:
             a, r = r, r + w.out_features

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .elementwise import dequant_rows_q4, dequant_rows_q8
+from .qlane import row_dequant
 from .repack import CpuQuantWeight
 
 #: Largest tile (output rows) per sgemm call: 256 x 4864 x 4 B = 5 MB worst case.
@@ -127,7 +127,7 @@ def gemm_quant(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None,
     """
     out, k = w.out_features, w.in_features
     y = np.empty((x.shape[0], out), np.float32)
-    deq = dequant_rows_q4 if w.bits == 4 else dequant_rows_q8
+    deq = row_dequant(w)
     one = np.float32(1.0)
 
     def work(tile):

@@ -183,14 +183,17 @@ def gemv_quant(y: np.ndarray, x: np.ndarray, w, bias: np.ndarray | None,
     Args:
         y: float32 [out] output (written).
         x: float32 [in] contiguous.
-        w: repacked 4- or 8-bit weight.
+        w: repacked 4- or 8-bit weight (lane-scaled ones run :mod:`.qlane`'s GEMV).
         bias: float32 [out] or None.
         scratch: activation buffers.
     """
     xq, dx, xg = scratch.get(w.n_blocks, w.n_groups)
     fn = w.__dict__.get("_gemv")
     if fn is None:  # chosen once per weight
-        if w.nbytes <= SERIAL_MAX_BYTES:
+        if w.lane_scales:  # a scale per 16 columns (Q6_K): .qlane (which imports this module)
+            from .qlane import gemv_fn
+            fn = gemv_fn(w)
+        elif w.nbytes <= SERIAL_MAX_BYTES:
             fn = gemv_q4_serial if w.bits == 4 else gemv_q8_serial
         else:
             fn = gemv_q4 if w.bits == 4 else gemv_q8

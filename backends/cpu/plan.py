@@ -32,7 +32,7 @@ from . import stepwise
 from .attention import ATTN_SERIAL_MAX, decode_scratch_shape
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
-from .elementwise import dequant_rows_q4, dequant_rows_q8, is_gelu, rmsnorm_rows
+from .elementwise import is_gelu, rmsnorm_rows
 from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
 from .gemv import SERIAL_MAX_BYTES, gemv_quant
 from .kvquant import (
@@ -42,6 +42,7 @@ from .kvquant import (
     kv_write_q,
     layer_arrays,
 )
+from .qlane import row_dequant
 from .repack import CpuQuantWeight
 
 _NO_POS = np.zeros(0, np.int64)
@@ -199,7 +200,7 @@ class EmbedStage(NamedTuple):
 
     table: Any
     out: np.ndarray  # [1, D]
-    dequant: Any  # dequant_rows_q4 / _q8, or None for a dense table
+    dequant: Any  # the table's row dequantizer (.qlane.row_dequant), or None (dense)
     row: np.ndarray  # int64 [1]: the id, for the dequant kernel
     scale: Any  # np.float32 (dequant) / float32 [1] array (dense) / None (1.0)
     vocab: int
@@ -326,7 +327,7 @@ def layer_plan(be, blk, cache: HostKVCache, layer: int) -> LayerPlan | None:
 def _embed_stage(be, table, scale) -> EmbedStage | None:
     if table.__class__ is CpuQuantWeight:
         return EmbedStage(table, be.scratch("emb", (1, table.in_features)),
-                          dequant_rows_q4 if table.bits == 4 else dequant_rows_q8,
+                          row_dequant(table),
                           np.zeros(1, np.int64), np.float32(scale), table.out_features)
     if not isinstance(table, np.ndarray) or table.ndim != 2:
         return None

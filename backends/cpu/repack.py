@@ -13,6 +13,10 @@ CPU kernels want (see :mod:`._simd`):
 * the input dimension padded with zero codes to a multiple of 64 (4-bit) or 32 (8-bit);
   padded activations are zero, so padded columns contribute nothing.
 
+8-bit weights with a scale per 16 columns (llama.cpp ``Q6_K``, :func:`has_lane_scales`)
+keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
+:mod:`._simd_k`) and no zero-point term (``sz`` ``[out, 0]``).
+
 This is a copy made once at upload (never on disk): ~4.5 bits/weight for INT4 g128.
 8-bit codes whose width is already a multiple of 32 need no change: :func:`repack_q8_view`
 wraps given codes (e.g. a copy-on-write file view of an ``.eif`` embedding) without a copy.
@@ -41,6 +45,8 @@ class CpuQuantWeight:
         sc: float32 ``[out, ng]`` group scales.
         sz: float32 ``[out, ng]`` scale times zero point (``s * z``).
         bmap: int32 ``[nb]`` block -> group index.
+        lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
+            only): the kernels of :mod:`.qlane` run it.
         nbytes: bytes streamed per GEMV (codes + sc + sz).
     """
 
@@ -53,6 +59,7 @@ class CpuQuantWeight:
     sc: np.ndarray
     sz: np.ndarray
     bmap: np.ndarray
+    lane_scales: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,12 +79,42 @@ def blocks_align_with_groups(w: QuantizedTensor) -> bool:
     return w.group_size % BLOCK == 0 or w.n_groups == 1
 
 
+#: Columns per scale of a lane-scaled weight (half a 32-column block).
+LANE_GROUP = 16
+
+
+def has_lane_scales(w: QuantizedTensor) -> bool:
+    """True for a symmetric 8-bit weight in groups of 16 columns (llama.cpp ``Q6_K``):
+    :func:`repack` keeps a scale per half block for the kernels of :mod:`.qlane`."""
+    return (w.bits == 8 and w.group_size == LANE_GROUP and w.n_groups > 1 and w.mins is None
+            and w.zeros is None)
+
+
+def runs_on_integer_kernels(w: QuantizedTensor) -> bool:
+    """True if :func:`repack` takes ``w`` (else the caller dequantizes it to float32)."""
+    return blocks_align_with_groups(w) or has_lane_scales(w)
+
+
+def _repack_lanes(w: QuantizedTensor) -> CpuQuantWeight:
+    out, kp = w.out_features, w.in_padded
+    kpad = -(-kp // BLOCK) * BLOCK
+    nb = kpad // BLOCK
+    wp = np.zeros((out, kpad), np.int8)
+    wp[:, :kp] = w.qweight
+    sc = np.zeros((out, 2 * nb), np.float32)  # a padded half block: scale 0, codes 0
+    sc[:, :w.n_groups] = w.scales
+    bmap = (2 * np.arange(nb)).astype(np.int32)
+    return CpuQuantWeight(8, out, w.in_features, LANE_GROUP, nb, wp, sc,
+                          np.zeros((out, 0), np.float32), bmap, lane_scales=True)
+
+
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
     """Repack a quantized weight for the CPU integer-dot kernels.
 
     Args:
         w: 4- or 8-bit weight whose 32-column blocks each lie in one group
-            (:func:`blocks_align_with_groups`).
+            (:func:`blocks_align_with_groups`), or an 8-bit one with lane scales
+            (:func:`has_lane_scales`).
 
     Returns:
         The repacked weight (a new copy; the source may be a memmap).
@@ -85,6 +122,8 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     Raises:
         ValueError: groups straddle 32-column blocks (caller falls back to dense).
     """
+    if has_lane_scales(w):
+        return _repack_lanes(w)
     if not blocks_align_with_groups(w):
         raise ValueError(f"group size {w.group_size} is not a multiple of {BLOCK}")
     out, kp, g, ng = w.out_features, w.in_padded, w.group_size, w.n_groups

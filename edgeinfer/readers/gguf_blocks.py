@@ -16,11 +16,14 @@ Q5_0      ``d * (q - 16)``, q 5-bit              8-bit (q - 16), group 32     8.
 Q5_1      ``d * q + m``, q 5-bit                 8-bit (q), fp16 mins         9.0
 Q4_K      ``(d*sc) * q - dmin*m``, 256 per       4-bit, group 32, fp32        6.0
           super-block, 6-bit sc / m per 32       scale ``d*sc`` and min
+Q6_K      ``(d*sc) * (q - 32)``, 256 per         8-bit (q - 32), group 16,    10.0
+          super-block, int8 sc per 16            fp32 scale ``d*sc``
 ========  =====================================  ===========================  =====
 
-(``Q4_K``'s ``d * sc`` is a product of an fp16 and a 6-bit integer: exact in float32,
-not in float16, hence fp32 scales.) Q5_0 / Q5_1 take 8-bit codes until the kernels
-read 5-bit ones; Q6_K (16-column groups, which the CPU integer kernels cannot run) and
+(``Q4_K``'s and ``Q6_K``'s ``d * sc`` is a product of an fp16 and a 6- or 8-bit
+integer: exact in float32, not in float16, hence fp32 scales.) Q5_0 / Q5_1 / Q6_K take
+8-bit codes until the kernels read 5- and 6-bit ones (the CPU backend runs 16-column
+groups of 8-bit codes with one scale per half block, :mod:`edgeinfer.backends.cpu.qlane`);
 the other types are not re-laid: the reader dequantizes them, with a log line.
 
 Block layouts: ggml-common.h (``block_q4_0`` …, ``block_q4_K``) and the ``gguf``
@@ -144,12 +147,27 @@ def _q4_k(raw, name, where):
     return _q4(codes.reshape(rows, nsb * _QK_K), scales, mins, nsb * _QK_K, "gguf:Q4_K")
 
 
+def _q6_k(raw, name, where):
+    b = _blocks(raw, 210, _QK_K, name, where)
+    rows, nsb = b.shape[:2]
+    ql = b[:, :, :128].reshape(rows, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = b[:, :, 128:192].reshape(rows, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = ((ql & np.uint8(0x0F)).reshape(rows, nsb, 2, 4, 32)
+         | ((qh & np.uint8(0x03)) << np.uint8(4)))  # [r, n, h, i, l], 0..63
+    codes = q.reshape(rows, nsb * _QK_K).view(np.int8) - np.int8(32)
+    d = _f16(b, 208).astype(np.float32)[:, :, None]
+    scales = (d * b[:, :, 192:208].view(np.int8).astype(np.float32)).reshape(rows, nsb * 16)
+    return QuantizedTensor(codes, scales, None, 8, 16, nsb * _QK_K, "gguf:Q6_K")
+
+
 #: ggml type name -> re-layout function ``(raw [rows, row_bytes], name, where) -> QuantizedTensor``.
 NATIVE_TYPES: dict[str, Callable[[np.ndarray, str, str], QuantizedTensor]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+    "Q6_K": _q6_k,
 }
 
-_BPW = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0}
+_BPW = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0,
+        "Q6_K": 10.0}
 
 
 def native_bits_per_weight(qtype_name: str) -> float | None:
