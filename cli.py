@@ -677,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "searched scales; rtn: the plain round-to-nearest baseline")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=None,
-                   help="default: the method's (signmax, grid 32, others 128); -1 = per-channel; a row "
+                   help="default: the method's (signmax, grid 32, others 128); -1 = "
+                        "per-channel; a row "
                         "it does not divide takes the largest multiple of 32 that does "
                         "(SmolLM2's 576-wide rows at 128: 96), recorded per tensor")
     s.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,

@@ -108,8 +108,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             any work: an existing file is refused unless ``overwrite``, an input always.
         method: "awq" (default), "gptq", "signmax" (:mod:`.signmax`: the weights alone,
             no calibration, seconds; each group's largest weight exact), "grid"
-            (:mod:`.grid`: a searched scale, no calibration), "rtn" (no calibration) or "mse" (:mod:`.mse`;
-            without ``calib_path`` its input scales come from random token ids, no data).
+            (:mod:`.grid`: a searched scale, no calibration), "rtn" (no calibration) or
+            "mse" (:mod:`.mse`; without ``calib_path`` its input scales come from random
+            token ids, no data).
         bits: linear weight bits (4).
         group_size: 32 / 64 / 128 or -1 per-channel; None: the method's
             (:data:`METHOD_LAYOUT`: 32 for signmax and grid, else 128); an input width it does not
