@@ -138,7 +138,7 @@ def test_prepare_converts_once_with_the_model_card_sampling(smollm2_cache):
     assert source.format == "gguf"
     assert source.generation["temperature"] == 0.2 and source.generation["top_p"] == 0.9
     assert source.generation["eos_token_id"] == [2, 0]  # the GGUF's own values kept
-    assert said[0].startswith(f"first run: converting {name} to INT4 (GRID, group 32")
+    assert said[0].startswith(f"first run: converting {name} to INT4 (SIGNMAX, group 32")
     assert said[-1].startswith("converted in")
     # later: the cached file at once, no conversion, no message, not even a look at the GGUF
     said.clear()
