@@ -306,7 +306,7 @@ def cmd_convert(args) -> int:
     from edgeinfer.quant.convert import convert
 
     if args.method is None:  # calibrated with a text file, else the data-free default
-        args.method = "awq" if args.calib else "grid"
+        args.method = "awq" if args.calib else "signmax"
     name, variant = (parse_ref(args.model) if not os.path.exists(args.model)
                      else (args.model, None))
     from_catalog = name in CATALOG and variant in (None, "gguf")
@@ -670,16 +670,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --force; never the input")
     s.add_argument("--force", "-f", action="store_true",
                    help="replace an existing --output file")
-    s.add_argument("--method", choices=["grid", "rtn", "awq", "gptq", "mse"], default=None,
-                   help="default: grid (data-free, seconds; symmetric groups of 32) without "
-                        "--calib, awq with it; rtn: the plain round-to-nearest baseline")
+    s.add_argument("--method", choices=["signmax", "grid", "rtn", "awq", "gptq", "mse"],
+                   default=None,
+                   help="default: signmax (data-free, seconds; symmetric groups of 32, each "
+                        "group's largest weight exact) without --calib, awq with it; grid: "
+                        "searched scales; rtn: the plain round-to-nearest baseline")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=None,
-                   help="default: the method's (grid 32, others 128); -1 = per-channel; a row "
+                   help="default: the method's (signmax, grid 32, others 128); -1 = "
+                        "per-channel; a row "
                         "it does not divide takes the largest multiple of 32 that does "
                         "(SmolLM2's 576-wide rows at 128: 96), recorded per tensor")
     s.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
-                   help="INT4 without zero points (default: the method's; grid: symmetric)")
+                   help="INT4 without zero points (default: the method's; signmax, grid: "
+                        "symmetric)")
     s.add_argument("--embed-bits", type=int, default=8)
     s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
     s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")

@@ -1,4 +1,4 @@
-"""Quality of edgeinfer's INT4 converter: WikiText-2 perplexity of RTN / AWQ / GPTQ.
+"""Quality of edgeinfer's INT4 converter: WikiText-2 perplexity of RTN / AWQ / GPTQ / signmax.
 
 Usage::
 
@@ -328,7 +328,9 @@ def convert_one(model: str, method: str, out: str, n_calib: int, calib_len: int,
     from edgeinfer.container import describe_eif
 
     src = read(model)
-    rep = convert(src, out, method=method, group_size=128,
+    # the data-free defaults keep their own layout (symmetric groups of 32); others: g128
+    group = None if method in ("signmax", "grid") else 128
+    rep = convert(src, out, method=method, group_size=group,
                   calib_path=os.path.join(WIKI, "valid.txt"), n_calib=n_calib,
                   calib_len=calib_len, act_order=act_order, progress=True,
                   overwrite=True)  # this benchmark's own output, remade on each run
@@ -402,7 +404,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     for m in ([] if args.gguf_native else args.methods.split(",")):
-        out = os.path.join(args.out, f"{os.path.basename(model)}.{m}.g128.eif")
+        g = 32 if m in ("signmax", "grid") else 128
+        out = os.path.join(args.out, f"{os.path.basename(model)}.{m}.g{g}.eif")
         rep = child("--_convert", m, out)
         res = child("--_ppl", out, *(["--_kl-base", base_lp] if os.path.exists(base_lp) else []))
         row = {"row": m, **res, **rep}

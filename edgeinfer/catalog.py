@@ -16,8 +16,8 @@ next to the file, so later calls trust size + marker instead of re-hashing 491 M
 :func:`resolve_model` runs a catalog name as the file the user pulled: the GGUF itself,
 at its own quality, its block types re-laid natively (no float32 copy, no re-quantization:
 :mod:`edgeinfer.readers.gguf_blocks`), with no conversion on first run. :func:`prepare`
-makes the INT4 ``NAME.int4.eif`` (the data-free "grid" method, symmetric groups of 32,
-8-bit embeddings) for those who ask for
+makes the INT4 ``NAME.int4.eif`` (the data-free "signmax" method, symmetric groups of
+32, 8-bit embeddings) for those who ask for
 ``NAME:int4``; ``edgeinfer convert NAME --method M`` makes the other variants.
 """
 from __future__ import annotations
@@ -56,10 +56,10 @@ __all__ = [
 log = logging.getLogger("edgeinfer")
 
 #: How :func:`prepare` converts a catalog GGUF into ``NAME:int4`` (keyword arguments of
-#: ``edgeinfer.quant.convert.convert``): the "grid" method (``quant/grid.py``: per-group
-#: searched fp16 scale, Q4_0's layout) needs no calibration, so it takes seconds; GPTQ is
-#: better (``edgeinfer convert``) but takes minutes.
-PREPARE_OPTIONS = {"method": "grid", "bits": 4, "group_size": 32, "symmetric": True,
+#: ``edgeinfer.quant.convert.convert``): the "signmax" method (``quant/signmax.py``: each
+#: group's largest weight exact, Q4_0's layout) needs no calibration, so it takes seconds;
+#: GPTQ is better (``edgeinfer convert``) but takes minutes.
+PREPARE_OPTIONS = {"method": "signmax", "bits": 4, "group_size": 32, "symmetric": True,
                    "embed_bits": 8}
 PREPARED_SUFFIX = ".int4.eif"
 
@@ -460,7 +460,7 @@ def _resolve_variant(text: str, converter, progress: bool, notify) -> Path:
     if path.exists():
         return path
     hint = (f"; make it with `edgeinfer convert {name} --method {variant}`"
-            if name in CATALOG and variant in ("grid", "rtn", "awq", "gptq") else "")
+            if name in CATALOG and variant in ("signmax", "grid", "rtn", "awq", "gptq") else "")
     raise CatalogError(f"{text}: no such model in the cache ({path} is missing){hint}; "
                        f"`edgeinfer list` shows what is there")
 

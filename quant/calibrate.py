@@ -51,9 +51,10 @@ from .gptq import Hessian, gptq_quantize
 from .grid import quantize_grid
 from .mse import quantize_mse
 from .rtn import effective_group, quantize_rtn
+from .signmax import quantize_signmax
 
 #: methods that read the weights only (no calibration ids, no forward passes)
-DATA_FREE = ("rtn", "grid")
+DATA_FREE = ("rtn", "grid", "signmax")
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
         source: the float model (lazy tensors welcome).
         ids: int32 ``[n_seq, seq_len]`` calibration tokens (unused, may be None, for
             :data:`DATA_FREE` methods).
-        method: "rtn", "grid" (:mod:`.grid`), "awq", "gptq" or "mse" (:mod:`.mse`, the
+        method: "rtn", "grid" (:mod:`.grid`), "signmax" (:mod:`.signmax`), "awq", "gptq" or "mse" (:mod:`.mse`, the
             columns weighted by the mean squared input over ``ids``).
         bits, group_size, symmetric: the linear weights' format.
         act_order: GPTQ column order (see :mod:`.gptq`).
@@ -343,8 +344,8 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     Raises:
         ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
     """
-    if method not in ("rtn", "grid", "awq", "gptq", "mse"):
-        raise ValueError(f"unknown method {method!r}; choose rtn, grid, awq, gptq or mse")
+    if method not in ("rtn", "grid", "signmax", "awq", "gptq", "mse"):
+        raise ValueError(f"unknown method {method!r}; choose rtn, grid, signmax, awq, gptq or mse")
     pool = _solver_pool() if method == "gptq" else None
     try:
         return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
@@ -374,9 +375,9 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
             q = {k: (quantize_rtn(v, bits, effective_group(v.shape[1], group_size), symmetric,
                                   name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
-        elif method == "grid":
-            q = {k: (quantize_grid(v, effective_group(v.shape[1], group_size), symmetric,
-                                   name=names[k])
+        elif method in ("grid", "signmax"):
+            fn = quantize_grid if method == "grid" else quantize_signmax
+            q = {k: (fn(v, effective_group(v.shape[1], group_size), symmetric, name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         else:
             theta = cfg.layer_rope_theta(i)

@@ -32,13 +32,15 @@ from ..safe_write import check_output
 from ..source import ModelSource
 from .calibrate import calibration_ids, check_finite, quantize_layers, random_ids
 from .grid import GROUP_SIZE as GRID_GROUP, SYMMETRIC as GRID_SYMMETRIC
+from .signmax import GROUP_SIZE as SIGNMAX_GROUP
 from .rtn import quantize_rtn
 
 log = logging.getLogger(__name__)
 
 #: the default ``(group_size, symmetric)`` of each method: "grid" (the data-free default)
 #: uses Q4_0's layout, symmetric groups of 32 with an fp16 scale (4.5 bits per weight)
-METHOD_LAYOUT = {"grid": (GRID_GROUP, GRID_SYMMETRIC), "rtn": (128, False),
+METHOD_LAYOUT = {"signmax": (SIGNMAX_GROUP, True), "grid": (GRID_GROUP, GRID_SYMMETRIC),
+                 "rtn": (128, False),
                  "awq": (128, False), "gptq": (128, False), "mse": (128, False)}
 
 
@@ -104,15 +106,18 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
-        method: "awq" (default), "gptq", "grid" (:mod:`.grid`: the weights alone, no
-            calibration, seconds), "rtn" (no calibration) or "mse" (:mod:`.mse`;
-            without ``calib_path`` its input scales come from random token ids, no data).
+        method: "awq" (default), "gptq", "signmax" (:mod:`.signmax`: the weights alone,
+            no calibration, seconds; each group's largest weight exact), "grid"
+            (:mod:`.grid`: a searched scale, no calibration), "rtn" (no calibration) or
+            "mse" (:mod:`.mse`; without ``calib_path`` its input scales come from random
+            token ids, no data).
         bits: linear weight bits (4).
         group_size: 32 / 64 / 128 or -1 per-channel; None: the method's
-            (:data:`METHOD_LAYOUT`: 32 for grid, else 128); an input width it does not
+            (:data:`METHOD_LAYOUT`: 32 for signmax and grid, else 128); an input width it does not
             divide gets the largest dividing multiple of 32 below it, else is zero-padded
             (see :mod:`.rtn`).
-        symmetric: INT4 without zero points; None: the method's (grid: True, else False).
+        symmetric: INT4 without zero points; None: the method's (signmax, grid: True,
+            else False); signmax is symmetric only.
         embed_bits: 8 (INT8 per row, default), 16 or 32 for the embedding and an untied head.
         calib_path: plain-text calibration file; None -> data-free self-generated text.
         n_calib, calib_len: calibration sequences and their length (defaults: 32 x 512
@@ -142,6 +147,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         raise ValueError(f"unknown method {method!r}; choose {', '.join(METHOD_LAYOUT)}")
     group_size = METHOD_LAYOUT[method][0] if group_size is None else group_size
     symmetric = METHOD_LAYOUT[method][1] if symmetric is None else symmetric
+    if method == "signmax" and not symmetric:
+        raise ValueError("signmax is symmetric only (zero point 8): drop --no-symmetric, or "
+                         "choose grid or rtn for asymmetric groups")
     t0 = time.perf_counter()
     source = _open(src)
     inputs = [str(source.path), calib_path]
@@ -154,7 +162,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     ids, calib_desc = None, "none (rtn needs no calibration)"
     if method == "mse" and calib_path is None:
         ids, calib_desc = random_ids(source, n_calib or 2, calib_len or 256, seed)
-    elif method in ("rtn", "grid"):
+    elif method in ("rtn", "grid", "signmax"):
         calib_desc = f"none ({method} needs no calibration)"
     else:
         ids, calib_desc = calibration_ids(source, calib_path, n_calib, calib_len, seed, progress)

@@ -133,12 +133,12 @@ def test_prepare_converts_once_with_the_model_card_sampling(smollm2_cache):
     assert len(calls) == 1
     source, kw = calls[0]
     assert kw == {**catalog.PREPARE_OPTIONS, "progress": False}
-    assert kw["method"] == "grid" and kw["group_size"] == 32 and kw["symmetric"] is True
+    assert kw["method"] == "signmax" and kw["group_size"] == 32 and kw["symmetric"] is True
     assert kw["embed_bits"] == 8
     assert source.format == "gguf"
     assert source.generation["temperature"] == 0.2 and source.generation["top_p"] == 0.9
     assert source.generation["eos_token_id"] == [2, 0]  # the GGUF's own values kept
-    assert said[0].startswith(f"first run: converting {name} to INT4 (GRID, group 32")
+    assert said[0].startswith(f"first run: converting {name} to INT4 (SIGNMAX, group 32")
     assert said[-1].startswith("converted in")
     # later: the cached file at once, no conversion, no message, not even a look at the GGUF
     said.clear()

@@ -147,7 +147,7 @@ def test_chat_runs_the_pulled_gguf_and_makes_int4_only_when_asked(smollm2_gguf, 
         assert again.returncode == 0, again.stderr
         assert again.stdout.split("[")[0] == first.stdout.split("[")[0]
 
-    # NAME:int4 is the grid INT4 file, made once when asked for
+    # NAME:int4 is the signmax INT4 file, made once when asked for
     int4 = run_cli(*args, "-m", "smollm2-135m-instruct:int4", input=script, env=env)
     assert int4.returncode == 0, int4.stderr
     assert "first run: converting smollm2-135m-instruct to INT4" in int4.stderr

@@ -163,18 +163,6 @@ def test_runs_on_the_fast_cpu_kernels_decode_and_prefill_vs_oracle(grid_eif):
                                     for lp in plan.layers)  # the fused INT4 decode
 
 
-def test_cli_default_without_calib_is_grid(tmp_path):
-    import subprocess
-    import sys
-    out = tmp_path / "m.eif"
-    r = subprocess.run([sys.executable, "-m", "cli", "convert", str(STORIES), "-o", str(out),
-                        "-q", "--json"], capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["method"] == "grid" and rep["group_size"] == 32
-
-
 def test_runs_on_opencl_int4_vs_oracle(grid_eif, opencl_backend):
     """The OpenCL backend keeps the file's INT4 groups of 32 (``q4``, symmetric, the
     word-wise GEMV applies: no dequantized copy) and matches the oracle."""
