@@ -160,6 +160,20 @@ def tiny_qwen2_folder(path: Path):
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
+
+@pytest.fixture
+def tiny_eif(tmp_path) -> tuple[Path, Path]:
+    """(:func:`tiny_qwen2_folder` at ``tmp_path/hf``, its RTN group-32 ``.eif`` at
+    ``tmp_path/m.eif``); skips without torch."""
+    pytest.importorskip("torch")
+    from edgeinfer.quant.convert import convert
+
+    src = tmp_path / "hf"
+    tiny_qwen2_folder(src)
+    eif = tmp_path / "m.eif"
+    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+    return src, eif
+
 def hf_from_export(folder: Path):
     """HF's own model class from the exported ``config.json`` (quantization_config
     removed), holding the weights :func:`dequantize_gptq` reads from ``model.safetensors``."""
@@ -212,14 +226,8 @@ def _compare(eif: Path, folder: Path, ids: np.ndarray) -> tuple[float, float]:
     return agree, float(np.abs(ref - ours).max() / (ref.max() - ref.min()))
 
 
-def test_tiny_qwen2_export_matches_edgeinfer(tmp_path):
-    pytest.importorskip("torch")
-    from edgeinfer.quant.convert import convert
-
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+def test_tiny_qwen2_export_matches_edgeinfer(tmp_path, tiny_eif):
+    _src, eif = tiny_eif
     out = tmp_path / "gptq"
     rep = export_gptq(eif, out)
     assert rep["group_size"] == 32 and rep["n_quantized"] == 14 and not rep["sym"]
@@ -268,14 +276,8 @@ def test_export_refusals(tmp_path, stories_dir):
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
 
 
-def test_export_overwrite_rules(tmp_path):
-    pytest.importorskip("torch")
-    from edgeinfer.quant.convert import convert
-
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+def test_export_overwrite_rules(tmp_path, tiny_eif):
+    _src, eif = tiny_eif
     out = tmp_path / "gptq"
     export_gptq(eif, out)
     before = (out / "model.safetensors").stat().st_mtime_ns
@@ -314,15 +316,10 @@ def test_smollm2_export_top1_vs_edgeinfer(tmp_path, smollm2_gguf):
     assert agree >= 0.99, agree
 
 
-def test_cli_export(tmp_path, capsys):
-    pytest.importorskip("torch")
+def test_cli_export(tmp_path, tiny_eif, capsys):
     import cli
-    from edgeinfer.quant.convert import convert
 
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+    src, eif = tiny_eif
     out = tmp_path / "gptq"
     assert cli.main(["export", str(eif), "--format", "gptq", "-o", str(out)]) == 0
     assert "14 4-bit linears, group 32, asymmetric" in capsys.readouterr().out
