@@ -21,6 +21,7 @@ from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
 from edgeinfer.errors import OutputError, UnsupportedModelError
 from edgeinfer.quant.export_gptq import FILES, export_gptq, gptq_tensors, pack_int32, unpack_int32
 from edgeinfer.quant.rtn import quantize_rtn
+from tiny_models import byte_level_bpe
 
 WIKI = "/work/shared/data/wikitext-2"
 
@@ -131,16 +132,8 @@ def tiny_qwen2_folder(path: Path):
     q/k/v biases, untied head) with a byte-level BPE tokenizer, saved to ``path``."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
 
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(tmodels.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(path / "tokenizer.json"))
+    tok = byte_level_bpe(path, TEXT, ["<|endoftext|>"])
     hc = transformers.Qwen2Config(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
