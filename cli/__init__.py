@@ -22,7 +22,7 @@ from edgeinfer.speculative import SPECULATE_MODES
 from .model_cmds import cmd_convert, cmd_export, cmd_info, cmd_list, cmd_pull, cmd_rm
 from .run_cmds import cmd_bench, cmd_chat, cmd_devices, cmd_generate, cmd_perplexity
 from .serve_cmds import cmd_ps, cmd_serve
-from .shared import (  # noqa: F401  (re-exported: the names cli.py had)
+from .shared import (  # noqa: F401  (re-exported: the names the one-file cli had)
     _SAMPLING_FLAGS,
     CHAT_BASE,
     _age,
