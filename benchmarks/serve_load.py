@@ -102,10 +102,10 @@ def main(argv=None) -> int:
         port = free_port()
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         proc = subprocess.Popen(
-            [sys.executable, os.path.join(here, "cli.py"), "serve", "-m", args.model,
+            [sys.executable, "-m", "cli", "serve", "-m", args.model,
              "--port", str(port), "--parallel", str(args.parallel), "--threads",
              str(args.threads), "--ctx", str(args.ctx), "--quiet"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=here)
         url = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
     try:

@@ -294,6 +294,15 @@ def _window_clear(counts, distinct, state):
     state[:] = 0
 
 
+@njit(cache=True, inline="always")
+def _mask_word(mask, w, n):
+    """Word ``w`` of a token mask (llguidance's layout: bit ``i % 32`` of word ``i // 32``
+    allows id ``i``) as an unsigned 32-bit int64, and the ids it covers below ``n``:
+    ``(word, base, stop)``, id ``i`` in ``range(base, stop)`` is bit ``i - base``."""
+    base = w * 32
+    return np.int64(mask[w]) & 0xFFFFFFFF, base, min(base + 32, n)
+
+
 @njit(cache=True)
 def _apply_mask(x, mask):
     """``x[i] = -inf`` for every id whose bit is clear in ``mask`` (int32 [ceil(V/32)],
@@ -302,13 +311,9 @@ def _apply_mask(x, mask):
     n = x.size
     finite = 0
     for w in range(mask.size):
-        word = np.int64(mask[w]) & 0xFFFFFFFF
-        base = w * 32
-        for b in range(32):
-            i = base + b
-            if i >= n:
-                break
-            if (word >> b) & 1:
+        word, base, stop = _mask_word(mask, w, n)
+        for i in range(base, stop):
+            if (word >> (i - base)) & 1:
                 finite += x[i] > -np.inf
             else:
                 x[i] = -np.inf
@@ -327,15 +332,11 @@ def _masked_argmax(x, mask):
     bv = -np.inf
     n = min(x.size, 32 * mask.size)
     for w in range(mask.size):
-        word = np.int64(mask[w]) & 0xFFFFFFFF
+        word, base, stop = _mask_word(mask, w, n)
         if word == 0:
             continue
-        base = w * 32
-        for b in range(32):
-            i = base + b
-            if i >= n:
-                break
-            if (word >> b) & 1:
+        for i in range(base, stop):
+            if (word >> (i - base)) & 1:
                 v = np.float64(x[i])
                 if math.isnan(v) or v == np.inf:
                     return -1

@@ -7,7 +7,9 @@
 A :class:`Model` owns one engine (weights on a backend + one KV cache). Calls are
 serialized with a lock, so a model may be shared between threads; each call can be
 cancelled from another thread with a :class:`threading.Event` passed as ``cancel``.
-Nothing here prints; diagnostics go to the ``edgeinfer`` logger.
+Nothing here prints; diagnostics go to the ``edgeinfer`` logger. :func:`load` and the
+helpers a model is built with live in :mod:`.loading`, :class:`ChatSession` in
+:mod:`.chat_session`; both are importable from here.
 """
 from __future__ import annotations
 
@@ -15,15 +17,21 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from .backends.errors import BackendUnavailableError as _BackendUnavailable
+from .chat_session import ChatSession, _with_dropped_turns  # noqa: F401  (ChatSession re-exported)
 from .chat_template import RenderLimits
 from .constrained import Grammar, as_grammar
 from .engine import Engine, GenerationEvent, GenerationStats, peak_rss_mb
-from .errors import BackendUnavailableError, ContextOverflowError, EdgeInferError, ModelFormatError
+from .errors import BackendUnavailableError, ContextOverflowError
+from .loading import (  # noqa: F401  (load re-exported)
+    default_backend,
+    load,
+    source_weight_bytes,
+    tokenizer_for,
+)
 from .memory import (
     context_length,
     release_free_heap,
@@ -32,7 +40,6 @@ from .memory import (
 from .sampling import DEFAULTS, SamplingParams, sampling_defaults
 from .source import ModelSource
 from .speculative import check_mode
-from .tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer")
 
@@ -40,57 +47,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 #: KV cache dtype when none is given: int8 costs +0.0% perplexity on SmolLM2 at half
 #: the bytes of f16 (benchmarks/kv_quality.py; README table).
 DEFAULT_KV_DTYPE = "int8"
-
-
-def source_weight_bytes(source: ModelSource, backend: str) -> int:
-    """Bytes the weights will take on ``backend``, from shapes alone (nothing is loaded).
-
-    An ``.eif`` file's quantized tensors keep their packed size (the reference backend
-    dequantizes them to float32), so do a GGUF's natively re-laid block types; other
-    HF/GGUF tensors are held as float32.
-    """
-
-    if source.format == "eif" and backend != "reference":
-        # the container maps the file: reading nbytes touches no weight data
-        return int(sum(int(t.nbytes) for t in source.tensors.values()))
-    native = (source.provenance or {}).get("native_weight_bytes")
-    if source.format == "gguf" and backend != "reference" and isinstance(native, int):
-        return native  # the re-laid block types (edgeinfer.readers.gguf_blocks)
-    return int(sum(4 * int(np.prod(shape)) for shape in source.shapes.values()))
-
-
-def default_backend() -> str:
-    """The CPU (Numba) backend when it can be imported, else the numpy reference."""
-    try:
-        import edgeinfer.backends.cpu  # noqa: F401
-        return "cpu"
-    except ImportError as e:  # numba missing or broken: still usable, slowly
-        log.warning("CPU backend unavailable (%s); using the reference backend", e)
-        return "reference"
-
-
-def tokenizer_for(source: ModelSource) -> Tokenizer:
-    """Build the runtime tokenizer of a model source.
-
-    Raises:
-        ModelFormatError: ``tokenizers`` cannot build the tokenizer (the readers check the
-            file's structure first; this catches what only the library itself refuses),
-            naming the model file.
-    """
-    try:
-        return Tokenizer.from_json_text(
-            source.tokenizer_json,
-            bos_token=source.bos_token,
-            eos_token=source.eos_token,
-            add_bos_token=source.add_bos_token,
-            chat_template=source.chat_template,
-            extra_eos_ids=tuple(source.config.eos_token_ids),
-        )
-    except ValueError as e:
-        if isinstance(e, EdgeInferError):
-            raise
-        raise ModelFormatError(f"{source.path}: the tokenizer cannot be loaded ({e}); "
-                               f"re-download the model or re-convert it") from None
 
 
 class Model:
@@ -520,108 +476,3 @@ class Model:
     def chat(self, messages: Sequence[dict], **kw) -> str:
         """The assistant's reply to OpenAI-style messages, as a string."""
         return "".join(ev.text for ev in self.chat_stream(messages, **kw))
-
-
-def _with_dropped_turns(events: Iterator[GenerationEvent], dropped: int
-                        ) -> Iterator[GenerationEvent]:
-    """``events`` with ``dropped`` set as the final event's ``stats.dropped_turns``."""
-    for ev in events:
-        if ev.stats is not None:
-            ev.stats.dropped_turns = dropped
-        yield ev
-
-
-class ChatSession:
-    """A conversation with a model that keeps its KV cache between turns.
-
-    Each turn renders the whole conversation through the chat template; the engine
-    finds the longest common token prefix with what its KV cache holds and computes
-    only the new tokens, so a turn costs about its own length, not the conversation's.
-    A conversation that outgrows the context loses its oldest whole turns.
-
-    >>> chat = ChatSession(model, system="You are terse.")   # doctest: +SKIP
-    >>> chat.send("What is the capital of France?")          # doctest: +SKIP
-
-    Args:
-        model: the :class:`Model` to talk to (sessions on one model take turns: the
-            model's lock serializes them, and each turn re-uses whatever prefix the
-            cache still holds).
-        system: optional system prompt.
-
-    Attributes:
-        messages: the OpenAI-style message list (system prompt first, if any).
-        last_stats: :class:`GenerationStats` of the last reply.
-    """
-
-    def __init__(self, model: Model, system: str | None = None):
-        self.model = model
-        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.last_stats = None
-
-    def stream(self, text: str, **kw) -> Iterator[GenerationEvent]:
-        """Add a user message and stream the reply (same keywords as :meth:`Model.stream_ids`).
-
-        The reply (even a cancelled, partial one) is appended to :attr:`messages` when
-        the stream ends."""
-        self.messages.append({"role": "user", "content": text})
-        parts: list[str] = []
-        try:
-            for ev in self.model.chat_stream(self.messages, **kw):
-                parts.append(ev.text)
-                if ev.stats is not None:
-                    self.last_stats = ev.stats
-                yield ev
-        finally:
-            self.messages.append({"role": "assistant", "content": "".join(parts)})
-
-    def send(self, text: str, **kw) -> str:
-        """Add a user message and return the whole reply."""
-        return "".join(ev.text for ev in self.stream(text, **kw))
-
-    def reset(self) -> None:
-        """Forget the conversation (the system prompt stays)."""
-        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
-
-
-def load(path_or_name: str | Path, *, converter=None,
-         progress: bool = False, notify=None, warm: bool = False, **kw) -> Model:
-    """Load a model by path (HF folder, .gguf, .eif) or catalog name.
-
-    A catalog name runs as the GGUF it pulls, at its own quality (its block types re-laid
-    natively, no float32 copy). ``NAME:int4`` is the RTN INT4 ``.eif``: the cached one, or
-    one made now by ``converter`` (:func:`edgeinfer.catalog.prepare`); the converter is
-    passed in because it is the layer above the runtime (``edgeinfer.quant``), which the
-    runtime never imports.
-
-    >>> model = edgeinfer.load("smollm2-135m-instruct")             # doctest: +SKIP
-    >>> from edgeinfer.quant.convert import convert                # doctest: +SKIP
-    >>> int4 = edgeinfer.load("smollm2-135m-instruct:int4", converter=convert)  # doctest: +SKIP
-
-    Args:
-        path_or_name: a path or a catalog name (``smollm2-135m-instruct`` ...).
-        converter: ``edgeinfer.quant.convert.convert`` (or a compatible callable) to make
-            ``NAME:int4`` on first use; None uses a cached one only.
-        progress: progress bars on stderr while a first use downloads or converts
-            (default off: the API writes nothing to the terminal).
-        notify: ``callable(str)`` for first-use status lines (they also go to the
-            ``edgeinfer`` logger at INFO), e.g. to show them in an app's window.
-        warm: run :meth:`Model.warm_up` before returning, so the first answer does not
-            stall (on a fresh install: compiles the CPU kernels, 15-60 s once; else about
-            a second); ``notify`` is told when it starts and each of its stages.
-        **kw: go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device, max_memory).
-
-    Raises:
-        edgeinfer.errors.ModelFormatError: unreadable or inconsistent model.
-        edgeinfer.errors.CatalogError: an unknown name, or a pull that failed.
-    """
-    from .catalog import read_resolved, resolve_model
-
-    path = resolve_model(str(path_or_name), progress=progress, converter=converter,
-                         notify=notify)
-    model = Model(read_resolved(path), **kw)
-    if warm:
-        say = notify or (lambda msg: None)
-        if model.kernels_cold:
-            say("compiling the CPU kernels (first run only, 15-60 s; cached for later runs)")
-        model.warm_up(progress=lambda stage: say(f"warming up: {stage}"))
-    return model

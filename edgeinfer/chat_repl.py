@@ -1,6 +1,6 @@
 """The terminal chat loop of ``edgeinfer chat``: reading messages, slash commands, Ctrl-C.
 
-Kept out of ``cli.py`` (argument parsing) so that each stays short. Everything here
+Kept out of ``cli`` (argument parsing) so that each stays short. Everything here
 writes to the terminal (stdout for the conversation, stderr for status lines); the
 library layers below never print.
 

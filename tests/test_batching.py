@@ -81,21 +81,6 @@ def stories(stories_dir):
     return read_model(str(stories_dir))
 
 
-@pytest.fixture(scope="module")
-def stories_q(stories_dir, tmp_path_factory):
-    """stories260K RTN INT4: every linear quantized (prefill rows independent of M)."""
-    from edgeinfer.quant.convert import convert
-
-    out = tmp_path_factory.mktemp("eif") / "stories.eif"
-    convert(str(stories_dir), str(out), method="rtn", group_size=32, progress=False)
-    return read_model(str(out))
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return read_model(str(smollm2_gguf))
-
-
 @pytest.mark.parametrize("kv", KVS)
 def test_batched_step_bit_identical_stories(stories, kv):
     _check(stories, kv)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from edgeinfer import api
 from edgeinfer.batching import DEFAULT_CHUNK
-from edgeinfer.readers import read_model
 
 GREEDY = dict(max_tokens=40)
 SAMPLED = dict(max_tokens=30, temperature=0.9, top_p=0.95, seed=7)
@@ -79,22 +78,6 @@ def run_joined(model, jobs, join_after=3, cancel_job=None, cancel_after=4):
     return out
 
 
-@pytest.fixture(scope="module")
-def stories(stories_dir, tmp_path_factory):
-    """stories260K as RTN INT4 (every linear quantized: the integer kernels give a row
-    the same bits whatever the chunk; dense float32 linears do not, see batching)."""
-    from edgeinfer.quant.convert import convert
-
-    out = tmp_path_factory.mktemp("eif") / "stories.eif"
-    convert(str(stories_dir), str(out), method="rtn", group_size=32, progress=False)
-    return read_model(str(out))
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return read_model(str(smollm2_gguf))
-
-
 def _models(src, kv, parallel=4, n_ctx=512):
     alone = api.Model(src, backend="cpu", n_ctx=n_ctx, kv_dtype=kv, threads=2)
     many = api.Model(src, backend="cpu", n_ctx=n_ctx, kv_dtype=kv, threads=2,
@@ -115,8 +98,8 @@ def _same_under_load(src, kv, jobs, parallel=4):
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8", "int4"])
-def test_same_tokens_under_load_stories(stories, kv):
-    _same_under_load(stories, kv, _jobs(stories.config.vocab_size))
+def test_same_tokens_under_load_stories(stories_q, kv):
+    _same_under_load(stories_q, kv, _jobs(stories_q.config.vocab_size))
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
@@ -126,12 +109,12 @@ def test_same_tokens_under_load_smollm2(smollm2, kv):
     _same_under_load(smollm2, kv, jobs, parallel=3)
 
 
-def test_seeded_request_same_text_whatever_ran_before(stories):
+def test_seeded_request_same_text_whatever_ran_before(stories_q):
     """The issue's seed=7 report: the same seeded request after other requests (one
     sharing its prefix: a cache hit) gives the same tokens as on a fresh model."""
-    alone, many = _models(stories, "int8", parallel=2)
-    ids = _jobs(stories.config.vocab_size)[2][0]
-    fresh = _stream(api.Model(stories, backend="cpu", n_ctx=512, threads=2), ids, SAMPLED)
+    alone, many = _models(stories_q, "int8", parallel=2)
+    ids = _jobs(stories_q.config.vocab_size)[2][0]
+    fresh = _stream(api.Model(stories_q, backend="cpu", n_ctx=512, threads=2), ids, SAMPLED)
     for m in (alone, many):
         _stream(m, ids[:30] + [5, 6, 7], dict(max_tokens=12, temperature=1.0, seed=1))
         _stream(m, [1, 9, 9, 9], SAMPLED_K)
@@ -140,9 +123,9 @@ def test_seeded_request_same_text_whatever_ran_before(stories):
     assert other != fresh  # control: the seed matters
 
 
-def test_cancel_one_of_several(stories):
-    alone, many = _models(stories, "int8")
-    jobs = _jobs(stories.config.vocab_size)
+def test_cancel_one_of_several(stories_q):
+    alone, many = _models(stories_q, "int8")
+    jobs = _jobs(stories_q.config.vocab_size)
     want = [_stream(alone, ids, kw) for ids, kw in jobs]
     got = run_joined(many, jobs, cancel_job=1, cancel_after=4)
     assert got[1][1] == "cancelled" and 4 <= len(got[1][0]) <= 5
@@ -151,8 +134,8 @@ def test_cancel_one_of_several(stories):
     assert many.pool.in_use == 0
 
 
-def test_cancel_while_waiting_for_a_slot(stories):
-    _alone, many = _models(stories, "f32", parallel=2)
+def test_cancel_while_waiting_for_a_slot(stories_q):
+    _alone, many = _models(stories_q, "f32", parallel=2)
     from edgeinfer.batching import held_slot
 
     with held_slot(many.pool, 0), held_slot(many.pool, 1):

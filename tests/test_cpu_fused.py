@@ -143,6 +143,30 @@ def test_exp_polynomial():
     assert np.max(np.abs(m[ok] - ref[ok]) / np.abs(ref[ok])) < 2e-6
 
 
+
+def test_glu_row_compiles_the_shared_exp_strict():
+    """glu_row inlines attention.exp_f32 (declared fast-math) yet stays strict float32: no
+    float op of its IR carries a fast-math flag, so every caller gets a row's same bits.
+    Control: the same function compiled with exp_f32's flags shows them."""
+    import re
+
+    from numba import njit
+
+    from edgeinfer.backends.cpu.attention import _FM
+    from edgeinfer.backends.cpu.elementwise import glu_row
+
+    def float_op_flags(fn) -> set[str]:
+        ir = "".join(fn.inspect_llvm(sig) for sig in fn.signatures)
+        return set(re.findall(r"= f(?:add|sub|mul|div) ((?:[a-z]+ )*)float", ir))
+
+    g = np.linspace(-4, 4, 64).astype(np.float32)
+    m = np.empty_like(g)
+    glu_row(m, g, g, False)
+    assert float_op_flags(glu_row) == {""}
+    fast = njit(fastmath=_FM, error_model="numpy")(glu_row.py_func)
+    fast(m, g, g, False)
+    assert any("contract" in f for f in float_op_flags(fast))
+
 # ---- compiled decode layers (backends/cpu/plan.py) -------------------------------------
 def _block(be, qs, bs, mq, nw, cos, sin, heads, window, softcap, act, **norms):
     wq, wk, wv = (be.upload_weight(q) for q in qs)

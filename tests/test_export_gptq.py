@@ -21,6 +21,7 @@ from edgeinfer.backends.quantized import QuantizedTensor, pack_nibbles
 from edgeinfer.errors import OutputError, UnsupportedModelError
 from edgeinfer.quant.export_gptq import FILES, export_gptq, gptq_tensors, pack_int32, unpack_int32
 from edgeinfer.quant.rtn import quantize_rtn
+from tiny_models import byte_level_bpe
 
 WIKI = "/work/shared/data/wikitext-2"
 
@@ -131,16 +132,8 @@ def tiny_qwen2_folder(path: Path):
     q/k/v biases, untied head) with a byte-level BPE tokenizer, saved to ``path``."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
 
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(tmodels.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(path / "tokenizer.json"))
+    tok = byte_level_bpe(path, TEXT, ["<|endoftext|>"])
     hc = transformers.Qwen2Config(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -159,6 +152,20 @@ def tiny_qwen2_folder(path: Path):
     hf.save_pretrained(str(path))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
+
+
+@pytest.fixture
+def tiny_eif(tmp_path) -> tuple[Path, Path]:
+    """(:func:`tiny_qwen2_folder` at ``tmp_path/hf``, its RTN group-32 ``.eif`` at
+    ``tmp_path/m.eif``); skips without torch."""
+    pytest.importorskip("torch")
+    from edgeinfer.quant.convert import convert
+
+    src = tmp_path / "hf"
+    tiny_qwen2_folder(src)
+    eif = tmp_path / "m.eif"
+    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+    return src, eif
 
 def hf_from_export(folder: Path):
     """HF's own model class from the exported ``config.json`` (quantization_config
@@ -212,14 +219,8 @@ def _compare(eif: Path, folder: Path, ids: np.ndarray) -> tuple[float, float]:
     return agree, float(np.abs(ref - ours).max() / (ref.max() - ref.min()))
 
 
-def test_tiny_qwen2_export_matches_edgeinfer(tmp_path):
-    pytest.importorskip("torch")
-    from edgeinfer.quant.convert import convert
-
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+def test_tiny_qwen2_export_matches_edgeinfer(tmp_path, tiny_eif):
+    _src, eif = tiny_eif
     out = tmp_path / "gptq"
     rep = export_gptq(eif, out)
     assert rep["group_size"] == 32 and rep["n_quantized"] == 14 and not rep["sym"]
@@ -268,14 +269,8 @@ def test_export_refusals(tmp_path, stories_dir):
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
 
 
-def test_export_overwrite_rules(tmp_path):
-    pytest.importorskip("torch")
-    from edgeinfer.quant.convert import convert
-
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+def test_export_overwrite_rules(tmp_path, tiny_eif):
+    _src, eif = tiny_eif
     out = tmp_path / "gptq"
     export_gptq(eif, out)
     before = (out / "model.safetensors").stat().st_mtime_ns
@@ -314,15 +309,10 @@ def test_smollm2_export_top1_vs_edgeinfer(tmp_path, smollm2_gguf):
     assert agree >= 0.99, agree
 
 
-def test_cli_export(tmp_path, capsys):
-    pytest.importorskip("torch")
+def test_cli_export(tmp_path, tiny_eif, capsys):
     import cli
-    from edgeinfer.quant.convert import convert
 
-    src = tmp_path / "hf"
-    tiny_qwen2_folder(src)
-    eif = tmp_path / "m.eif"
-    convert(str(src), str(eif), method="rtn", group_size=32, progress=False)
+    src, eif = tiny_eif
     out = tmp_path / "gptq"
     assert cli.main(["export", str(eif), "--format", "gptq", "-o", str(out)]) == 0
     assert "14 4-bit linears, group 32, asymmetric" in capsys.readouterr().out

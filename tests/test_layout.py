@@ -67,7 +67,7 @@ def test_every_package_folder_is_listed_in_pyproject():
     listed = set(cfg["packages"])
     dirs = cfg["package-dir"]
     found = set()
-    for pkg, d in dirs.items():
+    for pkg, d in {**dirs, "cli": "cli"}.items():  # cli/: the command, its own top-level name
         for init in (ROOT / d).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / d)
             found.add(".".join([pkg] + list(rel.parts)) if rel.parts else pkg)

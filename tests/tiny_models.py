@@ -40,6 +40,24 @@ PHI3_TEXT = ("Once upon a time there was a little robot who liked to count the s
              "Every night it climbed the hill and counted one, two, three. ") * 4
 
 
+def byte_level_bpe(path, text: str, specials: list[str]):
+    """A byte-level BPE tokenizer (320 ids, ``specials`` first) trained on ``text`` and
+    saved as ``path/tokenizer.json`` (``path`` is created); returns it."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(tmodels.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(Path(path) / "tokenizer.json"))
+    return tok
+
+
 def tiny_phi3_folder(path, variant: str = "plain"):
     """Write a tiny random ``Phi3ForCausalLM`` (2 layers, hidden 64, 4 query / 2 KV heads
     of 16, intermediate 96, max 64 positions; fused ``qkv_proj`` / ``gate_up_proj`` as HF
@@ -49,19 +67,11 @@ def tiny_phi3_folder(path, variant: str = "plain"):
     seed 0: peaked enough that greedy tokens are stable."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
 
     from pathlib import Path
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(tmodels.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([PHI3_TEXT], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(path / "tokenizer.json"))
+    tok = byte_level_bpe(path, PHI3_TEXT, ["<s>", "</s>"])
     hc = transformers.Phi3Config(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

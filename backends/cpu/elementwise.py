@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import i32_as_f32
+from .attention import exp_f32
 
 #: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
 PAR_MIN_ELEMS = 32768
@@ -96,39 +96,25 @@ def rope_tokens_par(y, x, cos, sin, positions):  # x[T, H, hd] -> y[T, H, hd], p
 
 
 # ---- GLU ---------------------------------------------------------------------------------
-@njit(cache=True, error_model="numpy", inline="always")
-def _exp_strict(x):  # float32 -> float32 e**x: exp_f32's formula (Cephes expf) without fast-math
-    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * (r * r) + r + np.float32(1.0)
-    return p * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
-
-
 @njit(cache=True, error_model="numpy")  # strict, not inlined (see _rmsnorm_row)
 def glu_row(m, g, u, gelu):  # g[F], u[F] -> m[F] = act(g) * u
     """``m[i] = act(g[i]) * u[i]``: SiLU ``g / (1 + e^-g)``, or GELU-tanh when ``gelu``
-    (``tanh(z) = 1 - 2 / (e^2z + 1)``); ``exp`` as :func:`.attention.exp_f32` (Cephes
-    ``expf``, ~1 ulp), strict float32. ``m`` may alias ``g`` or ``u``."""
+    (``tanh(z) = 1 - 2 / (e^2z + 1)``); ``exp``: :func:`.attention.exp_f32` (Cephes
+    ``expf``, ~1 ulp), inlined into this strict float32 kernel (Numba inlines its IR, so
+    this function's flags apply, not exp_f32's fast-math). ``m`` may alias ``g`` or ``u``."""
     f = m.shape[0]
     if gelu:
         c = np.float32(0.7978845608028654)
         for i in range(f):
             x = g[i]
             z = c * (x + np.float32(0.044715) * x * x * x)
-            th = np.float32(1.0) - np.float32(2.0) / (_exp_strict(np.float32(2.0) * z)
-                                                      + np.float32(1.0))
+            th = np.float32(1.0) - np.float32(2.0) / (exp_f32(np.float32(2.0) * z)
+                                                  + np.float32(1.0))
             m[i] = np.float32(0.5) * x * (np.float32(1.0) + th) * u[i]
     else:
         for i in range(f):
             x = g[i]
-            m[i] = x / (np.float32(1.0) + _exp_strict(-x)) * u[i]
+            m[i] = x / (np.float32(1.0) + exp_f32(-x)) * u[i]
 
 
 @njit(cache=True)
