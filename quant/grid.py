@@ -124,6 +124,27 @@ def search_params(wg: np.ndarray, a: np.ndarray | None, symmetric: bool,
     return best_s, best_z, _codes(wg, best_s, best_z)
 
 
+def group_blocks(w: np.ndarray, g: int, in_pad: int, rows: int, importance: str | None):
+    """Yield ``(r, wg, a)`` per block of ``rows`` rows of ``w [out, in]``: ``wg`` float32
+    ``[rows, in_pad / g, g]`` zero-padded, ``a`` its importance (:func:`importance_of`)
+    with the padded columns weighted 0 (None when unweighted and unpadded)."""
+    out, n_in = w.shape
+    ng = in_pad // g
+    mask = None
+    if in_pad != n_in:
+        mask = np.zeros(in_pad, np.float32)
+        mask[:n_in] = 1.0
+        mask = mask.reshape(1, ng, g)
+    for r in range(0, out, rows):
+        blk = np.zeros((min(rows, out - r), in_pad), np.float32)
+        blk[:, :n_in] = w[r:r + rows]
+        wg = blk.reshape(len(blk), ng, g)
+        a = importance_of(wg, importance)
+        if mask is not None:
+            a = mask if a is None else a * mask
+        yield r, wg, a
+
+
 def quantize_grid(w: np.ndarray, group_size: int = GROUP_SIZE, symmetric: bool = SYMMETRIC,
                   importance: str | None = "kquant", *, name: str = "", rows: int = 256,
                   deltas=DELTAS, refine: int = REFINE) -> QuantizedTensor:
@@ -146,25 +167,13 @@ def quantize_grid(w: np.ndarray, group_size: int = GROUP_SIZE, symmetric: bool =
     w = checked_weight(w, name)
     out, n_in = w.shape
     g, in_pad = resolve_group(n_in, group_size, 4)
-    ng = in_pad // g
-    mask = None
-    if in_pad != n_in:
-        mask = np.zeros(in_pad, np.float32)
-        mask[:n_in] = 1.0
-        mask = mask.reshape(1, ng, g)
-    S = np.empty((out, ng), np.float32)
+    S = np.empty((out, in_pad // g), np.float32)
     Z = np.empty_like(S)
     codes = np.empty((out, in_pad), np.uint8)
-    for r in range(0, out, rows):
-        blk = np.zeros((min(rows, out - r), in_pad), np.float32)
-        blk[:, :n_in] = w[r:r + rows]
-        wg = blk.reshape(len(blk), ng, g)
-        a = importance_of(wg, importance)
-        if mask is not None:
-            a = mask if a is None else a * mask
+    for r, wg, a in group_blocks(w, g, in_pad, rows, importance):
         s, z, q = search_params(wg, a, symmetric, deltas, refine)
         S[r:r + rows], Z[r:r + rows] = s, z
-        q = q.reshape(len(blk), in_pad)
+        q = q.reshape(len(wg), in_pad)
         if in_pad != n_in:
             q[:, n_in:] = np.repeat(z, g, axis=1)[:, n_in:]
         codes[r:r + rows] = q

@@ -93,13 +93,16 @@ def pad_columns(w: np.ndarray, in_padded: int) -> np.ndarray:
 
 
 def storage_scales(s: np.ndarray, name: str = "") -> np.ndarray:
-    """Round float64 scales to their storage dtype: float16, or float32 on fp16 overflow."""
-    s = np.maximum(np.asarray(s, np.float64), SCALE_EPS)
+    """Round float64 scales to their storage dtype: float16, or float32 on fp16 overflow.
+    Magnitudes below ``SCALE_EPS`` become ``SCALE_EPS``; a scale's sign is kept (signmax
+    stores negative ones)."""
+    s = np.asarray(s, np.float64)
+    s = np.copysign(np.maximum(np.abs(s), SCALE_EPS), s)
     with np.errstate(over="ignore"):  # values beyond fp16 become inf here: that is the test
         fits = np.array_equal(s.astype(np.float16).astype(np.float64), s)
     if not fits:
         log.warning("scales of %s exceed the fp16 range (max %.3g): stored as float32",
-                    name or "a tensor", float(np.max(s)))
+                    name or "a tensor", float(np.max(np.abs(s))))
         return s.astype(np.float32)
     return s.astype(np.float16)
 

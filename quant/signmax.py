@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
-from .grid import importance_of
-from .rtn import SCALE_EPS, assemble, checked_weight, resolve_group
+from .grid import group_blocks
+from .rtn import SCALE_EPS, assemble, checked_weight, resolve_group, storage_scales
 
 #: default layout: Q4_0's, symmetric groups of 32 with an fp16 scale (4.5 bits per weight)
 GROUP_SIZE = 32
@@ -127,32 +127,13 @@ def quantize_signmax(w: np.ndarray, group_size: int = GROUP_SIZE, symmetric: boo
     w = checked_weight(w, name)
     out, n_in = w.shape
     g, in_pad = resolve_group(n_in, group_size, 4)
-    ng = in_pad // g
-    mask = None
-    if in_pad != n_in:
-        mask = np.zeros(in_pad, np.float32)
-        mask[:n_in] = 1.0
-        mask = mask.reshape(1, ng, g)
-    S = np.empty((out, ng), np.float32)
+    S = np.empty((out, in_pad // g), np.float32)
     codes = np.empty((out, in_pad), np.uint8)
-    for r in range(0, out, rows):
-        blk = np.zeros((min(rows, out - r), in_pad), np.float32)
-        blk[:, :n_in] = w[r:r + rows]
-        wg = blk.reshape(len(blk), ng, g)
-        a = importance_of(wg, importance)
-        if mask is not None:
-            a = mask if a is None else a * mask
+    for r, wg, a in group_blocks(w, g, in_pad, rows, importance):
         s, q = signmax_params(wg, a, edge_codes)
         S[r:r + rows] = s
-        q = q.reshape(len(blk), in_pad)
+        q = q.reshape(len(wg), in_pad)
         q[:, n_in:] = SYMMETRIC_ZERO_4BIT
         codes[r:r + rows] = q
-    with np.errstate(over="ignore"):
-        fits = np.array_equal(S.astype(np.float16).astype(np.float32), S)
-    scales = S.astype(np.float16) if fits else S
-    if not fits:
-        import logging
-        logging.getLogger(__name__).warning(
-            "scales of %s exceed the fp16 range (max %.3g): stored as float32",
-            name or "a tensor", float(np.abs(S).max()))
+    scales = storage_scales(S.astype(np.float64), name)
     return assemble(codes, scales, None, 4, g, n_in, "signmax")
