@@ -123,8 +123,8 @@ class Model:
         n_ctx = context_length(model_max, n_ctx,
                                self.memory_plan.max_context if self.memory_plan else None)
         t0 = time.perf_counter()
-        self.transformer = Transformer(source.config, source.tensors, self.backend,
-                                       max_positions=max(n_ctx, 1))
+        self.transformer = Transformer(source.config, source.runtime_tensors(self.backend),
+                                       self.backend, max_positions=max(n_ctx, 1))
         self.load_s = time.perf_counter() - t0
         source.drop_resident_pages()  # the backend holds its own (repacked) copy now
         release_free_heap()  # repacking temporaries

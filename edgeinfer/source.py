@@ -125,6 +125,27 @@ class LazyTensors(Mapping):
         return len(self._loaders)
 
 
+class _Overlay(Mapping):
+    """``base`` with the names of ``loaders`` loaded from them instead."""
+
+    def __init__(self, base: Mapping[str, Any], loaders: Mapping[str, Callable[[], Any]]):
+        self._base, self._loaders = base, loaders
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._loaders:
+            return self._loaders[name]()
+        return self._base[name]
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._base
+
+
 def _dequantized(loader: Callable[[], Any]) -> Callable[[], Any]:
     def load():
         t = loader()
@@ -149,6 +170,10 @@ class ModelSource:
         generation: generation_config values (``eos_token_id`` list, sampling defaults).
         provenance: format-specific facts (sha256, quantization, converter settings).
         mapping: the read-only ``mmap`` the tensors view (``.eif``), or None.
+        row_tables: canonical name -> loader of a
+            :class:`~edgeinfer.backends.blockrows.BlockRows` table holding the same values
+            as ``tensors[name]`` in the file's own blocks (a GGUF's untied embedding), for
+            backends that decode rows on lookup (:meth:`runtime_tensors`).
     """
 
     path: str
@@ -164,6 +189,14 @@ class ModelSource:
     generation: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     mapping: Any = None
+    row_tables: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
+
+    def runtime_tensors(self, backend) -> Mapping[str, Any]:
+        """``tensors`` as ``backend`` runs them: with each of :attr:`row_tables` in place of
+        its tensor when the backend reads block rows (``reads_block_rows``)."""
+        if not self.row_tables or not getattr(backend, "reads_block_rows", False):
+            return self.tensors
+        return _Overlay(self.tensors, self.row_tables)
 
     def drop_resident_pages(self) -> None:
         """Give back the resident pages of the file mapping (``.eif``: ``mapping`` is its

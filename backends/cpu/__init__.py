@@ -41,12 +41,14 @@ import numba
 import numpy as np
 
 from ..base import Backend, LinearGroup
+from ..blockrows import BlockRows
 from ..kvcache import HostKVCache, _rotate
 from ..osmemory import ForwardReleaser, private_file_view, release_mapped_pages
 from ..quantized import QuantizedTensor
 from . import _simd
 from . import plan as _plan
 from .attention import ATTN_SERIAL_MAX, decode_scratch_shape
+from .blockrows import dequant_block_rows
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
 from .elementwise import (
@@ -146,6 +148,8 @@ class CpuBackend(Backend):
     """
 
     name = "cpu"
+    #: upload_embedding takes a :class:`..blockrows.BlockRows` table as it is
+    reads_block_rows = True
 
     def __init__(self, threads: int | None = None, exact_decode: bool = False, **_options):
         n = physical_cores() if threads is None else int(threads)
@@ -159,6 +163,7 @@ class CpuBackend(Backend):
         self._pool = GemmPool(self.threads)
         self._scr: dict = {}  # decode scratch buffers by (name, shape)
         self._file_tables: list = []  # embeddings left in a file view (upload_embedding)
+        self._row_tables: list = []  # embeddings left as a file's blocks (BlockRows)
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
@@ -186,7 +191,11 @@ class CpuBackend(Backend):
         already have the kernels' layout: its codes are then a copy-on-write view of the
         file (:func:`..osmemory.private_file_view`), not a copy: a lookup makes only its
         rows resident, so an untied table never becomes resident as a whole. Same values,
-        same kernels."""
+        same kernels. A :class:`..blockrows.BlockRows` table (an untied GGUF embedding)
+        is kept as it is, its rows decoded on lookup (:mod:`.blockrows`)."""
+        if isinstance(w, BlockRows):
+            self._row_tables.append(w)
+            return w
         if isinstance(w, QuantizedTensor) and w.bits == 8:
             codes = private_file_view(w.qweight)
             out = None if codes is None else repack_q8_view(w, codes)
@@ -220,6 +229,13 @@ class CpuBackend(Backend):
             row_dequant(table)(out, table.wp, table.sc, table.sz, table.bmap, ids.astype(np.int64, copy=False),
                np.float32(scale))
             return out
+        if isinstance(table, BlockRows):
+            if ids.size and (ids.min() < 0 or ids.max() >= table.out_features):
+                raise IndexError(f"token id out of range 0..{table.out_features - 1}")
+            out = np.empty((ids.shape[0], table.in_features), np.float32)
+            dequant_block_rows(out, table.raw, ids.astype(np.int64, copy=False), table.kind,
+                               np.float32(scale))
+            return out
         x = table[ids]
         return x * np.float32(scale) if scale != 1.0 else x
 
@@ -243,7 +259,8 @@ class CpuBackend(Backend):
         y = super().logits(x, head, softcap, norm)
         rel = self.releaser
         if rel.due:  # file-viewed tables not streamed as the head
-            rel.after_forward(tuple(t.wp for t in self._file_tables if t is not head))
+            rel.after_forward(tuple(t.wp for t in self._file_tables if t is not head)
+                              + tuple(t.raw for t in self._row_tables))
         return y
 
     def linear(self, x, w, bias=None):

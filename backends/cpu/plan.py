@@ -27,11 +27,13 @@ import numpy as np
 from numba import njit
 
 from ..base import DecodePlan
+from ..blockrows import BlockRows
 from ..kvcache import HostKVCache, Int4KVCache
 from . import stepwise
 from .attention import ATTN_SERIAL_MAX, decode_scratch_shape
 from .attention import attention as _attention
 from .attention import attention_serial as _attention_serial
+from .blockrows import dequant_block_rows
 from .elementwise import is_gelu, rmsnorm_rows
 from .fused import out_mlp_par, out_mlp_ser, qkv_rope_par, qkv_rope_ser
 from .gemv import SERIAL_MAX_BYTES, gemv_quant
@@ -196,7 +198,7 @@ class LayerPlan(NamedTuple):
 
 class EmbedStage(NamedTuple):
     """``out[0] = table[id] * scale``: the row dequantized (4-/8-bit table, ``dequant`` the
-    kernel) or copied (dense)."""
+    kernel; a BlockRows table, ``dequant`` None and ``row`` set) or copied (dense)."""
 
     table: Any
     out: np.ndarray  # [1, D]
@@ -325,6 +327,9 @@ def layer_plan(be, blk, cache: HostKVCache, layer: int) -> LayerPlan | None:
 
 
 def _embed_stage(be, table, scale) -> EmbedStage | None:
+    if table.__class__ is BlockRows:
+        return EmbedStage(table, be.scratch("emb", (1, table.in_features)), None,
+                          np.zeros(1, np.int64), np.float32(scale), table.out_features)
     if table.__class__ is CpuQuantWeight:
         return EmbedStage(table, be.scratch("emb", (1, table.in_features)),
                           row_dequant(table),
@@ -370,6 +375,12 @@ def compile_decode(be, step, cache) -> CpuDecodePlan | None:
 def _embed(e: EmbedStage, ids) -> np.ndarray:
     i = int(ids[0])
     out = e.out
+    if e.row is not None and e.dequant is None:  # a BlockRows table
+        if not 0 <= i < e.vocab:
+            raise IndexError(f"token id out of range 0..{e.vocab - 1}")
+        e.row[0] = i
+        dequant_block_rows(out, e.table.raw, e.row, e.table.kind, e.scale)
+        return out
     if e.dequant is not None:
         if not 0 <= i < e.vocab:
             raise IndexError(f"token id out of range 0..{e.vocab - 1}")

@@ -438,6 +438,44 @@ def gguf_tensors(g: GGUFFile, config: ModelConfig, native: bool = True) -> tuple
 
 
 
+def gguf_row_tables(g: GGUFFile, loaders: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
+    """The untied embedding as its file's blocks: ``{"model.embed_tokens.weight": loader}``
+    of a :class:`~edgeinfer.backends.blockrows.BlockRows` view (no copy; see
+    :attr:`ModelSource.row_tables`), or ``{}`` (a tied table is also the output head,
+    which needs the kernels' layout; a type with no row decoder).
+
+    The loader checks every block's fp16 fields finite (reading the table once, then
+    giving its pages back) and raises ModelFormatError naming the tensor otherwise."""
+    from ..backends.blockrows import BLOCK_TYPES, BlockRows
+
+    info = g.tensors.get("token_embd.weight")
+    if info is None or "lm_head.weight" not in loaders or len(info.dims) != 2:
+        return {}
+    qn = _qname(info.qtype)
+    if qn not in BLOCK_TYPES:
+        return {}
+
+    def load() -> BlockRows:
+        from ..backends.osmemory import release_mapped_pages
+
+        raw = g.raw(info)
+        table = BlockRows(raw, qn, "token_embd.weight")
+        b = raw.reshape(raw.shape[0], -1, table.block_bytes)
+        fields = (0, 2) if qn in ("Q4_1", "Q5_1") else (0,)
+        try:
+            for at in fields:
+                for r0 in range(0, b.shape[0], 8192):
+                    h = np.ascontiguousarray(b[r0:r0 + 8192, :, at:at + 2]).view(np.uint16)
+                    if ((h & 0x7C00) == 0x7C00).any():  # exponent all ones: inf or NaN
+                        raise ModelFormatError(
+                            f"{g.path}: tensor 'token_embd.weight' has non-finite {qn} block "
+                            f"scales (inf/NaN); the file is corrupt: re-download it")
+        finally:
+            release_mapped_pages(raw)
+        return table
+    return {"model.embed_tokens.weight": load}
+
+
 def read_gguf(path: str | os.PathLike, native: bool = True) -> ModelSource:
     """Read a GGUF file into a validated, lazily loaded :class:`ModelSource`.
 
@@ -522,6 +560,7 @@ def read_gguf(path: str | os.PathLike, native: bool = True) -> ModelSource:
             "native_weight_bytes": _weight_bytes(g, native),
         },
         mapping=g._mm,  # dropped once a backend holds its copies (nothing keeps a view)
+        row_tables=gguf_row_tables(g, loaders) if native else {},
     )
     src.validate()  # tensors first: a broken file fails before the (slower) tokenizer build
     src.tokenizer_json, src.add_bos_token = tokenizer_json_from_gguf(md, where=str(p),
