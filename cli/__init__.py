@@ -170,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system prompt")
     s.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file")
-    s.add_argument("model", help="HF folder, .gguf file or catalog name")
+    s = sub.add_parser("convert", help="quantize a checkpoint into one .eif file (or import a "
+                                       "GPTQ / AutoAWQ checkpoint losslessly)")
+    s.add_argument("model", help="HF folder (float, GPTQ or AutoAWQ GEMM), .gguf file or "
+                                 "catalog name")
     s.add_argument("--output", "-o", default=None,
                    help="the .eif to write (default for a catalog name: the models cache, "
                         "as NAME:METHOD, e.g. smollm2-135m-instruct:gptq); an existing file only "
@@ -192,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help="INT4 without zero points (default: the method's; signmax, grid: "
                         "symmetric)")
-    s.add_argument("--embed-bits", type=int, default=8)
+    s.add_argument("--embed-bits", type=int, default=None,
+                   help="embedding and untied head: 8 (INT8 per row; the default), 16 or 32; "
+                        "a GPTQ/AWQ import keeps them as stored unless given")
     s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
     s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")
     s.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,

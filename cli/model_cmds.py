@@ -79,6 +79,11 @@ def cmd_convert(args) -> int:
     from edgeinfer.model_store import parse_ref, variant_path
     from edgeinfer.quant.convert import convert
 
+    if os.path.isdir(args.model):
+        from edgeinfer.quant.import_packed import is_packed_checkpoint
+
+        if is_packed_checkpoint(args.model):
+            return _import_packed(args)
     if args.method is None:  # calibrated with a text file, else the data-free default
         args.method = "awq" if args.calib else "signmax"
     name, variant = (parse_ref(args.model) if not os.path.exists(args.model)
@@ -127,6 +132,34 @@ def cmd_convert(args) -> int:
               f"{report['bits_per_weight']:.2f} bits/weight in all{lin_s} "
               f"({report['method']}, group {g}) in {report['convert_seconds']:.1f} s, "
               f"peak RSS {report['peak_rss_mib']:.0f} MiB")
+    return 0
+
+
+def _import_packed(args) -> int:
+    """``convert`` of a GPTQ / AutoAWQ folder: a lossless import (no quantization options)."""
+    from edgeinfer.quant.import_packed import import_packed
+
+    given = [f for f, v in (("--method", args.method), ("--group-size", args.group_size),
+                            ("--symmetric", args.symmetric), ("--calib", args.calib),
+                            ("--n-calib", args.n_calib), ("--bits", args.bits != 4 or None))
+             if v is not None]
+    if given:
+        print(f"error: {args.model} is a quantized checkpoint: convert imports its weights as "
+              f"they are (lossless); {', '.join(given)} do not apply (drop them, or convert "
+              f"the float model)", file=sys.stderr)
+        return 2
+    if args.output is None:
+        print("error: --output is required to import a GPTQ/AWQ checkpoint", file=sys.stderr)
+        return 2
+    report = import_packed(args.model, args.output, embed_bits=args.embed_bits,
+                           overwrite=args.force)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(f"wrote {report['out_path']}: {report['file_size'] / 2**20:.1f} MiB, "
+              f"{report['bits_per_weight']:.2f} bits/weight in all; imported {report['imported']} "
+              f"(group {report['group_size']}, {report['n_packed']} linears re-laid, nothing "
+              f"re-quantized) in {report['convert_seconds']:.1f} s")
     return 0
 
 

@@ -1,5 +1,8 @@
 """``convert``: a float checkpoint (HF folder, GGUF, ModelSource) -> one ``.eif`` file.
 
+A GPTQ or AutoAWQ GEMM checkpoint folder is imported instead, losslessly
+(:mod:`.import_packed`: its packed weights re-laid, nothing re-quantized).
+
 What is stored (see :mod:`edgeinfer.container`):
   * every decoder linear: INT4 (``method`` grid / rtn / awq / gptq / mse), group
     ``group_size`` (default: the method's, :data:`METHOD_LAYOUT`), or, for
@@ -95,7 +98,8 @@ def peak_rss_mib() -> float:
 
 
 def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits: int = 4,
-            group_size: int | None = None, symmetric: bool | None = None, embed_bits: int = 8,
+            group_size: int | None = None, symmetric: bool | None = None,
+            embed_bits: int | None = None,
             calib_path: str | None = None, n_calib: int | None = None,
             calib_len: int | None = None, seed: int = 0, act_order: bool = False,
             n_search: int = 2048, progress: bool = True, overwrite: bool = False) -> dict:
@@ -103,7 +107,10 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
 
     Args:
         src: HF folder / GGUF path (read through ``edgeinfer.readers.read_model``) or a
-            ModelSource (float32 tensors, lazily loaded is best: one layer at a time).
+            ModelSource (float32 tensors, lazily loaded is best: one layer at a time). A
+            GPTQ / AutoAWQ GEMM folder goes to :func:`.import_packed.import_packed`
+            (``embed_bits`` and ``overwrite`` apply; the quantization options do not: the
+            checkpoint's own groups and zero points are kept).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
         method: "awq" (default), "gptq", "signmax" (:mod:`.signmax`: the weights alone,
@@ -118,7 +125,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             (see :mod:`.rtn`).
         symmetric: INT4 without zero points; None: the method's (signmax, grid: True,
             else False); signmax is symmetric only.
-        embed_bits: 8 (INT8 per row, default), 16 or 32 for the embedding and an untied head.
+        embed_bits: 8 (INT8 per row; the default, None, for a quantizing conversion), 16
+            or 32 for the embedding and an untied head (an import keeps them as stored).
         calib_path: plain-text calibration file; None -> data-free self-generated text.
         n_calib, calib_len: calibration sequences and their length (defaults: 32 x 512
             with a file, 8 x 128 data-free).
@@ -141,6 +149,12 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             a file of the HF folder, the calibration text; also through a link) or a
             folder; no space, a read-only or unwritable folder. Nothing is left behind.
     """
+    if not isinstance(src, ModelSource):
+        from .import_packed import import_packed, is_packed_checkpoint
+
+        if is_packed_checkpoint(src):
+            return import_packed(src, out_path, embed_bits=embed_bits, overwrite=overwrite)
+    embed_bits = 8 if embed_bits is None else embed_bits
     if bits != 4:
         raise ValueError(f"only 4-bit linear weights are supported by the converter, got {bits}")
     if method not in METHOD_LAYOUT:

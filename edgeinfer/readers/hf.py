@@ -26,6 +26,15 @@ parsed with duplicate-key, size and nesting limits (:func:`~edgeinfer.readers.fi
 ``Sequence``) whose single-sequence template starts with a special token before ``$A``
 adds a BOS on every encode, so the runtime must treat BOS as added; otherwise False.
 
+Quantized checkpoints (a ``quantization_config`` in ``config.json``, or AutoGPTQ's
+``quantize_config.json``) are refused here with a pointer to ``edgeinfer convert``. The
+converter reads them through the same function with ``packed=`` a :class:`PackedLinears`
+(its GPTQ / AutoAWQ layouts, :mod:`edgeinfer.quant.packed_formats`): every group of
+tensors ``P.qweight``, ``P.qzeros``, ``P.scales`` ... becomes one canonical ``P.weight``
+whose loader returns a :class:`~edgeinfer.backends.quantized.QuantizedTensor`; everything
+else (config, tokenizer, tied head, strict tensor names and shapes) is checked as for a
+float checkpoint.
+
 Tied embeddings (https://github.com/ml-explore/mlx-examples/issues/564): ``tie_word_embeddings`` true (or absent: the HF default)
 -> any ``lm_head.weight`` in the checkpoint is ignored (a warning is logged if it
 differs from the embedding); false and no ``lm_head.weight`` -> ModelFormatError, never
@@ -37,7 +46,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -52,7 +61,7 @@ from .tokenizer_files import check_tokenizer_json, token_id, token_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["read_hf_folder"]
+__all__ = ["PackedLinears", "quantization_config", "read_hf_folder"]
 
 #: Checkpoint tensors that carry no weights the runtime needs (buffers saved by old
 #: transformers versions); dropped silently.
@@ -65,6 +74,28 @@ _PREFIX_RENAMES = (("model.language_model.", "model."), ("language_model.model."
                    ("language_model.lm_head.", "lm_head."))
 
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+#: dtypes :meth:`_SafetensorsFile.load_native` returns as stored (packed codes, fp16 scales).
+_NATIVE_DTYPES = ("I32", "U32", "I64", "F16")
+
+
+class PackedLinears(Protocol):
+    """How a quantized checkpoint stores one linear ``P`` (implemented by the converter:
+    :mod:`edgeinfer.quant.packed_formats`). ``metas`` / ``arrays`` map each suffix of
+    :attr:`parts` present for ``P`` to its ``(dtype, shape)`` / a loader of its array in
+    the stored dtype; ``where`` is the file, for messages."""
+
+    #: tensor-name suffixes of one packed linear, e.g. ``(".qweight", ".qzeros", ...)``
+    parts: tuple[str, ...]
+
+    def shape(self, prefix: str, metas: dict[str, tuple[str, tuple[int, ...]]],
+              where: str) -> tuple[int, int]:
+        """The logical ``(out, in)`` of ``prefix.weight``; raises ModelFormatError."""
+        ...
+
+    def load(self, prefix: str, arrays: dict[str, Callable[[], np.ndarray]],
+             where: str) -> Any:
+        """``prefix.weight`` as a QuantizedTensor; raises ModelFormatError."""
+        ...
 
 
 def _token_str(v: Any, where: str) -> str | None:
@@ -117,6 +148,16 @@ class _SafetensorsFile:
                                    f"truncated or corrupt, download it again") from e
         except OSError as e:
             raise ModelFormatError(f"{shown}: cannot read ({e})") from e
+
+    def load_native(self, name: str) -> np.ndarray:
+        """Tensor ``name`` in its stored dtype for integer and F16 tensors (packed codes,
+        fp16 scales), else as :meth:`load` (float32)."""
+        if self.header.tensors[name].dtype in _NATIVE_DTYPES:
+            from safetensors import safe_open
+
+            with safe_open(str(self.path), framework="numpy") as f:
+                return np.asarray(f.get_tensor(name))
+        return self.load(name)
 
     def load(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a fresh float32 array in checkpoint orientation."""
@@ -209,7 +250,56 @@ def _arrays_differ(a: Callable[[], np.ndarray], b: Callable[[], np.ndarray]) -> 
     return not np.array_equal(a(), b())
 
 
-def read_hf_folder(path: str | os.PathLike) -> ModelSource:
+def quantization_config(folder: str | os.PathLike) -> tuple[dict, str] | None:
+    """The checkpoint's quantization settings and the file they came from: ``config.json``'s
+    ``quantization_config``, else AutoGPTQ's ``quantize_config.json``; None when neither is
+    there (a float checkpoint, or no ``config.json``).
+
+    Raises:
+        ModelFormatError: an unreadable JSON file, or settings that are not an object.
+    """
+    folder = Path(folder).expanduser()
+    root = model_root(folder)
+    cfg_path = folder_file(folder, "config.json", root=root)
+    if cfg_path is None:
+        return None
+    qc, where = read_json(cfg_path).get("quantization_config"), cfg_path
+    if not qc:
+        where = folder_file(folder, "quantize_config.json", root=root)
+        qc = read_json(where) if where is not None else None
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelFormatError(f"{where}: quantization_config must be an object, got "
+                               f"{type(qc).__name__}")
+    return qc, str(where)
+
+
+def _group_packed(where: dict[str, _SafetensorsFile], packed: PackedLinears,
+                  loaders: dict[str, Callable[[], Any]], shapes: dict[str, tuple[int, ...]],
+                  origin: dict[str, str]) -> set[str]:
+    """Add one ``P.weight`` loader (a QuantizedTensor) per packed linear ``P``; returns the
+    checkpoint names consumed."""
+    groups: dict[str, dict[str, tuple[_SafetensorsFile, str]]] = {}
+    for name, f in where.items():
+        canon = _canonical(name)
+        part = next((p for p in packed.parts if canon and canon.endswith(p)), None)
+        if part is not None:
+            groups.setdefault(canon[: -len(part)], {})[part] = (f, name)
+    used: set[str] = set()
+    for prefix, parts in groups.items():
+        shown = str(next(iter(parts.values()))[0].shown)
+        metas = {p: f.meta[n] for p, (f, n) in parts.items()}
+        canon = prefix + ".weight"
+        shapes[canon] = tuple(packed.shape(prefix, metas, shown))
+        arrays = {p: (lambda f=f, n=n: f.load_native(n)) for p, (f, n) in parts.items()}
+        loaders[canon] = (lambda pr=prefix, a=arrays, w=shown: packed.load(pr, a, w))
+        origin[canon] = prefix + next(iter(parts))
+        used.update(n for _f, n in parts.values())
+    return used
+
+
+def read_hf_folder(path: str | os.PathLike, *, packed: PackedLinears | None = None) -> ModelSource:
     """Read a HF model folder into a validated, lazily loaded :class:`ModelSource`.
 
     Args:
@@ -217,6 +307,8 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
             ``model.safetensors.index.json``), ``tokenizer.json`` and optionally
             ``tokenizer_config.json``, ``generation_config.json``, ``chat_template.jinja``
             / ``chat_template.json``.
+        packed: the layout of a quantized checkpoint's linears (the converter's import,
+            module docstring); None: a quantized checkpoint is refused.
 
     Returns:
         ModelSource with ``format="hf"``; ``tensors`` maps canonical names to loaders
@@ -228,8 +320,8 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
             truncated safetensors, a missing tensor, a wrong shape, an unexpected tensor in
             the decoder, a tokenizer that does not fit the config, or an untied config
             without ``lm_head.weight`` (the message names the file and the tensor/field).
-        UnsupportedModelError: unknown ``model_type``, quantized checkpoints, or
-            dtypes other than F32/F16/BF16/F64.
+        UnsupportedModelError: unknown ``model_type``, quantized checkpoints (without
+            ``packed``), or dtypes other than F32/F16/BF16/F64.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -243,12 +335,12 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
     if cfg_path is None:
         raise ModelFormatError(f"{folder}: no config.json (expected a HF model folder)")
     cfg_dict = read_json(cfg_path)
-    qc = cfg_dict.get("quantization_config")
+    qc = quantization_config(folder) if packed is None else None
     if qc:
-        qm = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        qm = qc[0].get("quant_method", "?")
         raise UnsupportedModelError(
-            f"{cfg_path}: a {qm}-quantized checkpoint; import it with the converter "
-            f"(edgeinfer convert), read_hf_folder reads full-precision checkpoints"
+            f"{qc[1]}: a {qm}-quantized checkpoint; import it first (GPTQ and AutoAWQ GEMM, "
+            f"lossless): edgeinfer convert {folder} -o MODEL.eif, then run MODEL.eif"
         )
 
     # ---- tokenizer files ---------------------------------------------------------------
@@ -305,9 +397,10 @@ def read_hf_folder(path: str | os.PathLike) -> ModelSource:
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     origin: dict[str, str] = {}
+    used = _group_packed(where, packed, loaders, shapes, origin) if packed is not None else set()
     for name, f in where.items():
         canon = _canonical(name)
-        if canon is None:
+        if canon is None or name in used:
             continue
         if canon in loaders:
             raise ModelFormatError(f"{f.shown}: tensor {canon!r} appears twice (also as "
