@@ -94,9 +94,12 @@ def rtn(w: np.ndarray, bits: int, group: int):
 
 def quantize_model(tensors, group: int, head_bits: int) -> dict:
     """Canonical name -> QuantizedTensor (2-D weights) or the float array (norms, biases)."""
+    from edgeinfer.backends.quantized import QuantizedTensor
     out = {}
     for k in tensors:
         v = tensors[k]
+        if isinstance(v, QuantizedTensor):  # a GGUF block type the reader keeps as codes
+            v = v.dequantize()
         if k in ("model.embed_tokens.weight", "lm_head.weight"):
             out[k] = (rtn(v, 8, -1) if head_bits == 8 else
                       rtn(v, 4, group) if head_bits == 4 else v)
