@@ -94,12 +94,9 @@ def rtn(w: np.ndarray, bits: int, group: int):
 
 def quantize_model(tensors, group: int, head_bits: int) -> dict:
     """Canonical name -> QuantizedTensor (2-D weights) or the float array (norms, biases)."""
-    from edgeinfer.backends.quantized import QuantizedTensor
     out = {}
     for k in tensors:
         v = tensors[k]
-        if isinstance(v, QuantizedTensor):  # a GGUF block type the reader keeps as codes
-            v = v.dequantize()
         if k in ("model.embed_tokens.weight", "lm_head.weight"):
             out[k] = (rtn(v, 8, -1) if head_bits == 8 else
                       rtn(v, 4, group) if head_bits == 4 else v)
@@ -123,7 +120,7 @@ def ours_eif(src: Path, group: int, head_bits: int) -> Path:
     from edgeinfer.readers.gguf import read_gguf
     out = peer.cache_dir() / f"{src.stem}-{_file_key(src)}-rtn-g{group}-h{head_bits}.eif"
     if not out.exists():
-        s = read_gguf(src)
+        s = read_gguf(src, native=False)  # float32 arrays, not the blocks as codes
         write_eif(out, s.config, quantize_model(s.tensors, group, head_bits),
                   tokenizer_json=s.tokenizer_json, chat_template=s.chat_template,
                   bos_token=s.bos_token, eos_token=s.eos_token, add_bos_token=s.add_bos_token,

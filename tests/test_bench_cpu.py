@@ -148,3 +148,24 @@ def test_q4_0_from_the_f32_gguf_loads_in_llama_cpp(stories_gguf, tmp_path):
     script = Path(__file__).resolve().parents[2] / "shared" / "peer" / "peer_bench.py"
     r = peer.run_peer(q4, 16, 4, 1, dict(os.environ), script if script.exists() else peer.PEER)
     assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+
+
+def test_ours_eif_quantizes_the_dequantized_catalog_weights(smollm2_gguf, tmp_path, monkeypatch):
+    """The Q4_1 / Q8_0 catalog file: ours is RTN of its float32 weights (the reader's native
+    blocks once reached RTN as objects and failed)."""
+    import bench_cpu
+    from edgeinfer.container import read_eif
+    from edgeinfer.quant.rtn import quantize_rtn
+    from edgeinfer.readers.gguf import read_gguf
+
+    monkeypatch.setattr(bench_cpu.peer, "cache_dir", lambda: tmp_path)
+    out = bench_cpu.ours_eif(smollm2_gguf, 128, 8)
+    assert out.parent == tmp_path and out.exists()
+    got = read_eif(out).tensors
+    src = read_gguf(smollm2_gguf, native=False).tensors
+    emb = quantize_rtn(src["model.embed_tokens.weight"], bits=8, group_size=-1)
+    np.testing.assert_array_equal(got["model.embed_tokens.weight"].dequantize(), emb.dequantize())
+    q = quantize_rtn(src["model.layers.3.mlp.up_proj.weight"], bits=4, group_size=128)
+    np.testing.assert_array_equal(got["model.layers.3.mlp.up_proj.weight"].dequantize(),
+                                  q.dequantize())
+    assert bench_cpu.ours_eif(smollm2_gguf, 128, 8) == out  # cached
