@@ -22,6 +22,9 @@ Layouts consumed (built by :mod:`.repack`):
 
 * 4-bit: ``wp`` uint8 ``[rows, nb * 16]``; 32-byte chunk ``c`` holds block ``2c`` in the
   low nibbles and block ``2c + 1`` in the high nibbles, each in natural column order.
+* 5-bit: ``wp`` uint8 ``[rows, nb * 20]``; 40-byte chunk ``c``: the 4-bit chunk's 32
+  bytes (bits 0-3 of the codes), then one u32 per block (bit ``j``: bit 4 of column
+  ``j``), OR-ed into the widened nibbles (llama.cpp ``Q5_0`` / ``Q5_1`` codes 0..31).
 * 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored, sign-extended to int16.
 
 Activations: ``xq`` int16 ``[nb * 32]`` (block ``b`` at ``32 b``, column ``j`` at lane
@@ -64,6 +67,9 @@ _V8F32 = ir.VectorType(_F32, 8)
 #: 16-31 (``vpunpckhbw``).
 ACT_ORDER = np.array([(j & 7) | ((j >> 4) << 3) | (((j >> 3) & 1) << 4) for j in range(32)],
                      np.int64)
+#: Bytes per 64-column chunk (two blocks) of a packed row: 4-bit 32 (nibbles); 5-bit 40
+#: (the nibbles, then per block a little-endian u32 whose bit j is bit 4 of column j).
+CHUNK_BYTES = {4: 32, 5: 40}
 #: Row blocks ahead that each weight load prefetches (the same offset, R rows per block).
 PREFETCH_BLOCKS = 1
 # byte shuffles equal to the in-lane unpacks of (v, other): lo = bytes 0-7, 16-23
@@ -103,11 +109,47 @@ def _gep(builder, ptr, idx):
     return builder.gep(ptr, [idx])
 
 
+def _fifth_bits(builder, row, at):
+    """<32 x i8>: byte j = 16 if bit j of the u32 at byte ``at`` of ``row`` is set, else 0."""
+    h = builder.load(builder.bitcast(_gep(builder, row, at), _I32.as_pointer()), align=1)
+    v4 = ir.VectorType(_I8, 4)
+    hb = builder.shuffle_vector(builder.bitcast(h, v4), ir.Constant(v4, ir.Undefined),
+                                ir.Constant(ir.VectorType(_I32, 32), [j >> 3 for j in range(32)]))
+    bit = ir.Constant(_V32I8, [1 << (j & 7) for j in range(32)])
+    return builder.select(builder.icmp_unsigned("==", builder.and_(hb, bit), bit),
+                          ir.Constant(_V32I8, [16] * 32), ir.Constant(_V32I8, [0] * 32))
+
+
+def chunk_codes(builder, bits, wv, row, off):
+    """The codes of a 64-column chunk as four <16 x i16> in :data:`ACT_ORDER` lanes:
+    block 2c's two halves, then block 2c + 1's. ``wv`` the chunk's 32 nibble bytes (4 or
+    5 bits); 5 bits: OR-ed with the fifth bits at ``off + 32`` / ``off + 36`` of ``row``."""
+    zero32 = ir.Constant(_V32I8, [0] * 32)
+    lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+    hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+
+    def widen(v):
+        return [builder.bitcast(builder.shuffle_vector(v, zero32, idx), _V16I16)
+                for idx in (lo_idx, hi_idx)]
+
+    if bits == 5:  # in bytes: nibble | fifth bit, then widen
+        i64 = ir.IntType(64)
+        lo8 = builder.or_(builder.and_(wv, ir.Constant(_V32I8, [15] * 32)),
+                          _fifth_bits(builder, row, builder.add(off, ir.Constant(i64, 32))))
+        hi8 = builder.or_(builder.lshr(wv, ir.Constant(_V32I8, [4] * 32)),
+                          _fifth_bits(builder, row, builder.add(off, ir.Constant(i64, 36))))
+        return widen(lo8) + widen(hi8)
+    ua, ub = widen(wv)
+    m15, four = ir.Constant(_V16I16, [15] * 16), ir.Constant(_V16I16, [4] * 16)
+    return [builder.and_(ua, m15), builder.and_(ub, m15), builder.lshr(ua, four),
+            builder.lshr(ub, four)]
+
+
 def _make_rows_kernel(n_rows: int, bits: int):
     """Build an intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` rows.
 
     ``y`` float32 [rows] (written at r0..r0+n_rows-1), ``r0`` int64 first row, ``wp``
-    uint8 2-D packed weights, ``sc`` float32 2-D scales, ``xq`` int16 [nb*32], ``dx``
+    uint8 2-D packed weights (``bits`` 4, 5 or 8), ``sc`` float32 2-D scales, ``xq`` int16 [nb*32], ``dx``
     float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for 4 bits).
     """
 
@@ -194,13 +236,11 @@ def _make_rows_kernel(n_rows: int, bits: int):
             def group_of(bidx):
                 return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
 
-            if bits == 4:
+            if bits in (4, 5):
                 n_chunks = builder.udiv(nbv, ir.Constant(i64, 2))
-                m15 = ir.Constant(_V16I16, [15] * 16)
-                four = ir.Constant(_V16I16, [4] * 16)
                 with cgutils.for_range(builder, n_chunks) as loop:
                     c = loop.index
-                    off = builder.mul(c, ir.Constant(i64, 32))
+                    off = builder.mul(c, ir.Constant(i64, CHUNK_BYTES[bits]))
                     b0 = builder.mul(c, ir.Constant(i64, 2))
                     b1 = builder.add(b0, ir.Constant(i64, 1))
                     x0, x1 = act(b0), act(b1)
@@ -211,11 +251,11 @@ def _make_rows_kernel(n_rows: int, bits: int):
                         wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
                                                           _V32I8.as_pointer()), align=1)
                         fetch_next(r, off)
-                        ua, ub = widen(wv, lo_idx, zero32), widen(wv, hi_idx, zero32)
-                        dot_into(r, builder.and_(ua, m15), builder.and_(ub, m15), x0)
+                        la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
+                        dot_into(r, la, lb, x0)
                         with builder.if_then(split, likely=False):
                             flush_row(r, g0)
-                        dot_into(r, builder.lshr(ua, four), builder.lshr(ub, four), x1)
+                        dot_into(r, ha, hb, x1)
                     builder.store(g1, cur_g)
             else:
                 with cgutils.for_range(builder, nbv) as loop:
@@ -257,6 +297,12 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
                 if bits == 4:
                     sh = np.int32(4 * (b % 2))
                     code = (np.int32(wp[r, (b // 2) * 32 + j]) >> sh) & np.int32(15)
+                elif bits == 5:
+                    c0 = (b // 2) * 40
+                    sh = np.int32(4 * (b % 2))
+                    code = (np.int32(wp[r, c0 + j]) >> sh) & np.int32(15)
+                    hbyte = np.int32(wp[r, c0 + 32 + 4 * (b % 2) + (j >> 3)])
+                    code |= ((hbyte >> np.int32(j & 7)) & np.int32(1)) << np.int32(4)
                 else:  # wp is int8 here
                     code = np.int32(wp[r, b * 32 + j])
                 s += code * q
@@ -275,6 +321,16 @@ def _p_q4_rows1(y, r0, wp, sc, xq, dx, bmap, nb):
 
 
 @njit(cache=True)
+def _p_q5_rows4(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 4, 5, wp, sc, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q5_rows1(y, r0, wp, sc, xq, dx, bmap, nb):
+    _rows_portable(y, r0, 1, 5, wp, sc, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
 def _p_q8_rows4(y, r0, wp, sc, xq, dx, bmap, nb):
     _rows_portable(y, r0, 4, 8, wp, sc, xq, dx, bmap, nb)
 
@@ -287,12 +343,12 @@ def _p_q8_rows1(y, r0, wp, sc, xq, dx, bmap, nb):
 #: Row kernels ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for 4 or 1 rows: the AVX2 IR
 #: intrinsics where the host has AVX2, else portable Numba loops with identical math.
 #: ``SIMD_ROWS`` holds the intrinsics regardless (tests compare the two when possible).
-SIMD_ROWS = {(4, 4): _make_rows_kernel(4, 4), (1, 4): _make_rows_kernel(1, 4),
-             (4, 8): _make_rows_kernel(4, 8), (1, 8): _make_rows_kernel(1, 8)}
-PORTABLE_ROWS = {(4, 4): _p_q4_rows4, (1, 4): _p_q4_rows1, (4, 8): _p_q8_rows4,
-                 (1, 8): _p_q8_rows1}
+SIMD_ROWS = {(n, b): _make_rows_kernel(n, b) for b in (4, 5, 8) for n in (4, 1)}
+PORTABLE_ROWS = {(4, 4): _p_q4_rows4, (1, 4): _p_q4_rows1, (4, 5): _p_q5_rows4,
+                 (1, 5): _p_q5_rows1, (4, 8): _p_q8_rows4, (1, 8): _p_q8_rows1}
 _ROWS = SIMD_ROWS if HAVE_AVX2 else PORTABLE_ROWS
 q4_rows4, q4_rows1 = _ROWS[(4, 4)], _ROWS[(1, 4)]
+q5_rows4, q5_rows1 = _ROWS[(4, 5)], _ROWS[(1, 5)]
 q8_rows4, q8_rows1 = _ROWS[(4, 8)], _ROWS[(1, 8)]
 
 

@@ -14,7 +14,7 @@ decode kernels (same integer dot per block, same FMA into the group accumulator 
 order, same group flush, same horizontal sum), so a row's output is bit-identical to its
 decode GEMV whatever ``n_tok`` or the tiling. Arguments: ``y`` float32 [T, out]
 (written at rows ``r0 .. r0 + nr - 1`` of tokens ``t0 .. t0 + n_tok - 1``), ``wp`` and
-``sc`` as in :mod:`._simd`, ``xq`` int16 [T, nb * 32], ``dx`` float32 [T, nb] (2-D,
+``sc`` as in :mod:`._simd` (4, 5 or 8 bits), ``xq`` int16 [T, nb * 32], ``dx`` float32 [T, nb] (2-D,
 rows of any stride), ``bmap`` int32 [nb], ``nb`` blocks per row. No zero-point term (the
 caller subtracts it as for decode).
 """
@@ -27,7 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
-                    _V32I8, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable, _splat_f32)
+                    _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable,
+                    _splat_f32, chunk_codes)
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
 TOKEN_BLOCK = 4
@@ -155,23 +156,21 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                         builder.store(builder.call(fmuladd, [builder.sitofp(p32, _V8F32), f,
                                                              builder.load(gaccs[t])]), gaccs[t])
 
-                if bits == 4:
-                    m15 = ir.Constant(_V16I16, [15] * 16)
-                    four = ir.Constant(_V16I16, [4] * 16)
+                if bits in (4, 5):
                     with cgutils.for_range(builder, builder.udiv(nbv, ir.Constant(i64, 2))) as cl:
                         c = cl.index
-                        off = builder.mul(c, ir.Constant(i64, 32))
+                        off = builder.mul(c, ir.Constant(i64, CHUNK_BYTES[bits]))
                         b0 = builder.mul(c, ir.Constant(i64, 2))
                         b1 = builder.add(b0, ir.Constant(i64, 1))
                         g0, g1 = group_of(b0), group_of(b1)
                         enter_group(g0)
                         wv = builder.load(builder.bitcast(_gep(builder, wr, off),
                                                           _V32I8.as_pointer()), align=1)
-                        ua, ub = widen(wv, lo_idx, zero32), widen(wv, hi_idx, zero32)
-                        dot_all(builder.and_(ua, m15), builder.and_(ub, m15), b0)
+                        la, lb, ha, hb = chunk_codes(builder, bits, wv, wr, off)
+                        dot_all(la, lb, b0)
                         with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
                             flush_all(g0)
-                        dot_all(builder.lshr(ua, four), builder.lshr(ub, four), b1)
+                        dot_all(ha, hb, b1)
                         builder.store(g1, cur_g)
                 else:
                     with cgutils.for_range(builder, nbv) as bl:
@@ -246,6 +245,26 @@ def _p_q4_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
 
 
 @njit(cache=True)
+def _p_q5_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q5_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q5_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
+def _p_q5_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+
+
+@njit(cache=True)
 def _p_q8_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
     _tok_portable(y, t0, 1, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
 
@@ -269,10 +288,12 @@ def _p_q8_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
 #: the host has AVX2, else portable loops with the decode kernels' portable math.
 #: ``SIMD_TOKENS`` holds the intrinsics regardless (tests compare the two when possible).
 SIMD_TOKENS = {(n, b): _make_tokens_kernel(n, b) for n in range(1, TOKEN_BLOCK + 1)
-               for b in (4, 8)}
+               for b in (4, 5, 8)}
 PORTABLE_TOKENS = {(1, 4): _p_q4_tok1, (2, 4): _p_q4_tok2, (3, 4): _p_q4_tok3,
-                   (4, 4): _p_q4_tok4, (1, 8): _p_q8_tok1, (2, 8): _p_q8_tok2,
-                   (3, 8): _p_q8_tok3, (4, 8): _p_q8_tok4}
+                   (4, 4): _p_q4_tok4, (1, 5): _p_q5_tok1, (2, 5): _p_q5_tok2,
+                   (3, 5): _p_q5_tok3, (4, 5): _p_q5_tok4, (1, 8): _p_q8_tok1,
+                   (2, 8): _p_q8_tok2, (3, 8): _p_q8_tok3, (4, 8): _p_q8_tok4}
 _TOK = SIMD_TOKENS if HAVE_AVX2 else PORTABLE_TOKENS
 q4_tok1, q4_tok2, q4_tok3, q4_tok4 = (_TOK[(n, 4)] for n in range(1, 5))
+q5_tok1, q5_tok2, q5_tok3, q5_tok4 = (_TOK[(n, 5)] for n in range(1, 5))
 q8_tok1, q8_tok2, q8_tok3, q8_tok4 = (_TOK[(n, 8)] for n in range(1, 5))

@@ -173,6 +173,26 @@ def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale
 
 
 @njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q5(out, wp, sc, sz, bmap, rows, scale):  # W5[rows, :K] * scale -> out[R, K]
+    """Dequantize rows ``rows`` [R] of a 5-bit weight: ``(code * s - sz) * scale`` into
+    ``out`` float32 [R, K] (K <= the padded width). Releases the GIL."""
+    k = out.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range((k + 31) // 32):
+            g = bmap[b]
+            s = sc[r, g]
+            z = sz[r, g]
+            c0 = (b // 2) * 40  # .repack.CHUNK_BYTES_Q5
+            sh = np.uint8(4 * (b % 2))
+            h0 = c0 + 32 + 4 * (b % 2)
+            for j in range(min(32, k - b * 32)):
+                code = (wp[r, c0 + j] >> sh) & np.uint8(15)
+                code |= ((wp[r, h0 + (j >> 3)] >> np.uint8(j & 7)) & np.uint8(1)) << np.uint8(4)
+                out[i, b * 32 + j] = (np.float32(code) * s - z) * scale
+
+
+@njit(cache=True, fastmath=True, nogil=True)
 def dequant_rows_q8(out, wp, sc, sz, bmap, rows, scale):  # W8[rows, :K] * scale -> out[R, K]
     """Dequantize rows of a repacked 8-bit weight (``wp`` int8 [out, nb*32]):
     ``(code * s - sz) * scale`` (``sz`` is 0 for symmetric weights)."""

@@ -1,4 +1,4 @@
-"""Decode GEMV (T = 1) on repacked 4-/8-bit weights: 15-bit integer activations, integer dots.
+"""Decode GEMV (T = 1) on repacked 4-/5-/8-bit weights: 15-bit integer activations, integer dots.
 
 Per call (one Numba dispatch, one parallel region):
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import ACT_ORDER, q4_rows1, q4_rows4, q8_rows1, q8_rows4
+from ._simd import ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4
 
 BLOCK = 32
 #: Activation integer range per block: q in [-ACT_LEVELS, ACT_LEVELS] (15 bits).
@@ -89,6 +89,18 @@ def _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg):  # row block i of
 
 
 @njit(cache=True, fastmath=True, inline="always")
+def _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg):  # row block i of W5 @ x
+    nb = dx.shape[0]
+    if i < nblk:
+        r0, nr = i * 4, 4
+        q5_rows4(y, r0, wp, sc, xq, dx, bmap, nb)
+    else:
+        r0, nr = nblk * 4 + (i - nblk), 1
+        q5_rows1(y, r0, wp, sc, xq, dx, bmap, nb)
+    _finish_rows(y, r0, nr, sz, xg, bias)
+
+
+@njit(cache=True, fastmath=True, inline="always")
 def _q8_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg):  # row block i of W8 @ x
     nb = dx.shape[0]
     if i < nblk:
@@ -118,6 +130,26 @@ def gemv_q4_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W4[out, in] @ x
     nblk = out // 4
     for i in range(nblk + out - nblk * 4):
         _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def gemv_q5(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5[out, in] @ x[in] (+ b) -> y[out]
+    """5-bit GEMV (nibbles and fifth bits, :mod:`.repack`), row blocks across threads."""
+    quantize_act(xq, dx, xg, x, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):
+        _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
+@njit(cache=True, fastmath=True)
+def gemv_q5_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5[out, in] @ x[in] -> y[out]
+    """As :func:`gemv_q5` on the calling thread."""
+    quantize_act(xq, dx, xg, x, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in range(nblk + out - nblk * 4):
+        _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -183,7 +215,7 @@ def gemv_quant(y: np.ndarray, x: np.ndarray, w, bias: np.ndarray | None,
     Args:
         y: float32 [out] output (written).
         x: float32 [in] contiguous.
-        w: repacked 4- or 8-bit weight (lane-scaled ones run :mod:`.qlane`'s GEMV).
+        w: repacked 4-, 5- or 8-bit weight (lane-scaled ones run :mod:`.qlane`'s GEMV).
         bias: float32 [out] or None.
         scratch: activation buffers.
     """
@@ -193,10 +225,10 @@ def gemv_quant(y: np.ndarray, x: np.ndarray, w, bias: np.ndarray | None,
         if w.lane_scales:  # a scale per 16 columns (Q6_K): .qlane (which imports this module)
             from .qlane import gemv_fn
             fn = gemv_fn(w)
-        elif w.nbytes <= SERIAL_MAX_BYTES:
-            fn = gemv_q4_serial if w.bits == 4 else gemv_q8_serial
         else:
-            fn = gemv_q4 if w.bits == 4 else gemv_q8
+            serial = w.nbytes <= SERIAL_MAX_BYTES
+            fn = {4: (gemv_q4, gemv_q4_serial), 5: (gemv_q5, gemv_q5_serial),
+                  8: (gemv_q8, gemv_q8_serial)}[w.bits][serial]
         w._gemv = fn
     fn(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)
     return y

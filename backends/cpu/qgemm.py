@@ -1,5 +1,5 @@
 """Integer linear for T > 1 tokens (prefill, batched decode, speculative verify) on
-repacked 4-/8-bit weights: the decode GEMV's numerics for T rows.
+repacked 4-/5-/8-bit weights: the decode GEMV's numerics for T rows.
 
 Every token row is quantized as :func:`.gemv.quantize_act` does for one token, and its
 dot products, group scales, zero-point term and bias follow the decode GEMV's sequence
@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q8_tok1, q8_tok2,
-                           q8_tok3, q8_tok4)
+from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q5_tok1, q5_tok2,
+                           q5_tok3, q5_tok4, q8_tok1, q8_tok2, q8_tok3, q8_tok4)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, quantize_act
 from .repack import CpuQuantWeight
 
@@ -34,7 +34,16 @@ TILE_TOKENS = 32
 
 @njit(cache=True, fastmath=True, inline="always")
 def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):  # n (1..4) tokens x nr rows
-    if bits == 4:
+    if bits == 5:
+        if n == 4:
+            q5_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 3:
+            q5_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        elif n == 2:
+            q5_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+        else:
+            q5_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+    elif bits == 4:
         if n == 4:
             q4_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
         elif n == 3:
@@ -87,7 +96,7 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
 
     Args:
         x: float32 [T, in] C-contiguous.
-        w: 4- or 8-bit repacked weight.
+        w: 4-, 5- or 8-bit repacked weight.
         bias: float32 [out] or None.
 
     Returns:

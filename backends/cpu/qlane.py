@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd_k import q8l_rows1, q8l_rows4
-from .elementwise import dequant_rows_q4, dequant_rows_q8
+from .elementwise import dequant_rows_q4, dequant_rows_q5, dequant_rows_q8
 from .gemv import SERIAL_MAX_BYTES, XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
 from .repack import CpuQuantWeight
 
@@ -129,7 +129,8 @@ def dequant_rows_q8l(out, wp, sc, sz, bmap, rows, scale):  # W[rows, :K] * scale
 
 def row_dequant(w: CpuQuantWeight):
     """The row dequantizer ``(out, wp, sc, sz, bmap, rows, scale)`` of any repacked weight:
-    :func:`dequant_rows_q8l` for lane scales, else :mod:`.elementwise`'s 4- / 8-bit one."""
+    :func:`dequant_rows_q8l` for lane scales, else :mod:`.elementwise`'s 4- / 5- / 8-bit
+    one."""
     if w.lane_scales:
         return dequant_rows_q8l
-    return dequant_rows_q4 if w.bits == 4 else dequant_rows_q8
+    return {4: dequant_rows_q4, 5: dequant_rows_q5, 8: dequant_rows_q8}[w.bits]

@@ -13,6 +13,12 @@ CPU kernels want (see :mod:`._simd`):
 * the input dimension padded with zero codes to a multiple of 64 (4-bit) or 32 (8-bit);
   padded activations are zero, so padded columns contribute nothing.
 
+8-bit weights whose codes are 5-bit ones (llama.cpp ``Q5_0`` / ``Q5_1`` re-laid by
+:mod:`edgeinfer.readers.gguf_blocks`, :func:`five_bit_codes`) run at 5 bits: the 4-bit
+chunk layout plus a u32 of fifth bits per block (``wp`` uint8 ``[out, nb * 20]``,
+:data:`._simd.CHUNK_BYTES`), unsigned codes 0..31 with ``sz = 16 s`` (``Q5_0``) or
+``-m`` (``Q5_1``): 5.5 bits per weight plus the float32 ``sc`` / ``sz``.
+
 8-bit weights with a scale per 16 columns (llama.cpp ``Q6_K``, :func:`has_lane_scales`)
 keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
 :mod:`._simd_k`) and no zero-point term (``sz`` ``[out, 0]``).
@@ -30,6 +36,8 @@ import numpy as np
 from ..quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
 
 BLOCK = 32  # activation quantization block (columns) == integer dot block
+#: Bytes per two-block chunk of a 5-bit row (:data:`._simd.CHUNK_BYTES`).
+CHUNK_BYTES_Q5 = 40
 
 
 @dataclass
@@ -37,11 +45,12 @@ class CpuQuantWeight:
     """A quantized weight ``W[out, in]`` repacked for the CPU kernels.
 
     Attributes:
-        bits: 4 or 8.
+        bits: 4, 5 or 8.
         out_features, in_features: logical shape.
         group_size: columns per scale group (of the source tensor).
         n_blocks: 32-column blocks per row after padding (``nb``; even for 4 bits).
-        wp: uint8 ``[out, nb * 16]`` (4-bit) or int8 ``[out, nb * 32]`` (8-bit).
+        wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit) or int8
+            ``[out, nb * 32]`` (8-bit).
         sc: float32 ``[out, ng]`` group scales.
         sz: float32 ``[out, ng]`` scale times zero point (``s * z``).
         bmap: int32 ``[nb]`` block -> group index.
@@ -108,6 +117,41 @@ def _repack_lanes(w: QuantizedTensor) -> CpuQuantWeight:
                           np.zeros((out, 0), np.float32), bmap, lane_scales=True)
 
 
+def five_bit_codes(w: QuantizedTensor) -> np.ndarray | None:
+    """The unsigned 5-bit codes ``[out, in_padded]`` uint8 (0..31) of an 8-bit weight that
+    is a 5-bit one (llama.cpp ``Q5_0``: symmetric codes in -16..15, stored ``+ 16``;
+    ``Q5_1``: codes 0..31 with float mins) and whose blocks align with its groups; None
+    for any other weight."""
+    if (w.bits != 8 or w.zeros is not None or w.n_groups < 1 or has_lane_scales(w)
+            or not blocks_align_with_groups(w)):
+        return None
+    q = w.qweight
+    lo, hi = (0, 31) if w.mins is not None else (-16, 15)
+    if q.size == 0 or int(q.min()) < lo or int(q.max()) > hi:
+        return None
+    return (q.astype(np.int16) - lo).astype(np.uint8)
+
+
+def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
+    out, kp, g, ng = w.out_features, w.in_padded, w.group_size, w.n_groups
+    kpad = -(-kp // (2 * BLOCK)) * 2 * BLOCK
+    nb = kpad // BLOCK
+    full = np.zeros((out, kpad), np.uint8)
+    full[:, :kp] = codes
+    c3 = full.reshape(out, nb // 2, 2, BLOCK)
+    wp = np.empty((out, nb // 2, CHUNK_BYTES_Q5), np.uint8)
+    wp[:, :, :BLOCK] = (c3[:, :, 0, :] & 15) | ((c3[:, :, 1, :] & 15) << 4)
+    fifth = np.packbits(c3 >> 4, axis=-1, bitorder="little")  # [out, nb/2, 2, 4] bytes
+    wp[:, :, BLOCK:] = fifth.reshape(out, nb // 2, 8)
+    sc = np.ascontiguousarray(w.scales, dtype=np.float32)
+    if w.mins is not None:
+        sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s + m
+    else:
+        sz = (sc * np.float32(16)).astype(np.float32)  # w = (q - 16) * s
+    bmap = np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
+    return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz, bmap)
+
+
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
     """Repack a quantized weight for the CPU integer-dot kernels.
 
@@ -124,6 +168,9 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     """
     if has_lane_scales(w):
         return _repack_lanes(w)
+    codes5 = five_bit_codes(w)
+    if codes5 is not None:
+        return _repack_q5(w, codes5)
     if not blocks_align_with_groups(w):
         raise ValueError(f"group size {w.group_size} is not a multiple of {BLOCK}")
     out, kp, g, ng = w.out_features, w.in_padded, w.group_size, w.n_groups
