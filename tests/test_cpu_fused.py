@@ -162,7 +162,8 @@ def test_glu_row_compiles_the_shared_exp_strict():
     g = np.linspace(-4, 4, 64).astype(np.float32)
     m = np.empty_like(g)
     # glu_row's own options, compiled here: code loaded from a warm on-disk cache has no IR
-    strict = njit(**{**glu_row.targetoptions, "cache": False})(glu_row.py_func)
+    opts = {k: v for k, v in glu_row.targetoptions.items() if k != "nopython"}
+    strict = njit(**opts, cache=False)(glu_row.py_func)
     strict(m, g, g, False)
     assert float_op_flags(strict) == {""}
     fast = njit(fastmath=_FM, error_model="numpy")(glu_row.py_func)

@@ -107,7 +107,8 @@ def test_portable_rows_match_simd_math():
         rows4(y, 0, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
         for r in range(4, 8):
             rows1(y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-        y -= h.sz @ xg
+        if h.sz.shape[1]:  # symmetric 8-bit weights have no zero-point term ([out, 0])
+            y -= h.sz @ xg
         ref = w.dequantize() @ x
         assert nerr(y, ref) < ACT_TOL
         assert nerr(y, CPU.linear(x[None], h)[0]) < 1e-5
@@ -295,3 +296,27 @@ def test_linear_many_mixed_falls_back():
     ys = CPU.linear_many(x, g)
     for y, w in zip(ys, [w4, w8, dense]):
         assert np.array_equal(y, CPU.linear(x, w))
+
+
+def test_symmetric_8bit_weights_carry_no_zero_point_array():
+    """A symmetric 8-bit weight repacks with ``sz`` ``[out, 0]`` (no all-zero copy of the
+    scales: Qwen's 151936 x 896 head would hold 17 MB of zeros): every path still matches
+    the oracle, embedding rows are exact, and it is not fused with an 8-bit weight that has
+    float mins (whose ``sz`` is ``-m``)."""
+    rng = np.random.default_rng(11)
+    w = random_q(rng, 21, 192, 8, 32)
+    h = CPU.upload_weight(w)
+    assert h.bits == 8 and h.sz.shape == (21, 0) and h.nbytes == h.wp.nbytes + h.sc.nbytes
+    x = rng.standard_normal((5, 192)).astype(np.float32)
+    ref = x @ w.dequantize().T
+    assert nerr(CPU.linear(x[:1], h), ref[:1]) < ACT_TOL
+    assert nerr(CPU.linear(x, h), ref) < ACT_TOL
+    assert nerr(CpuBackend(threads=1, exact_decode=True).linear(x, h), ref) < 1e-6
+    ids = np.array([20, 0, 7])
+    np.testing.assert_array_equal(CPU.embed(h, ids), w.dequantize(rows=ids))
+    m = QuantizedTensor(np.abs(w.qweight).astype(np.int8) % 100, w.scales, None, 8, 32, 192,
+                        mins=np.full_like(w.scales, -0.5))
+    hm = CPU.upload_weight(m)
+    assert hm.bits == 8 and hm.sz.shape == (21, 6)  # codes 0..99: not 5-bit
+    assert not hasattr(CPU.group_linears([h, hm], [None, None]), "splits")
+    assert nerr(CPU.linear(x[:1], hm), x[:1] @ m.dequantize().T) < ACT_TOL

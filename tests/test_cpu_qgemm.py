@@ -54,7 +54,8 @@ def _oracle(qt, h: CpuQuantWeight, x: np.ndarray) -> np.ndarray:
         for g in range(h.n_groups):
             m = h.bmap == g
             y += sc[:, g] * per_b[:, m].sum(axis=1)
-            y -= sz[:, g] * float((d[m].astype(np.float64) * q[m].sum(axis=1)).sum())
+            if sz.shape[1]:  # symmetric 8-bit weights have no zero-point term
+                y -= sz[:, g] * float((d[m].astype(np.float64) * q[m].sum(axis=1)).sum())
         out[t] = y
     return out
 

@@ -326,7 +326,7 @@ class CpuBackend(Backend):
                 w.__class__ is not CpuQuantWeight or w.bits != w0.bits
                 or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
                 or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
-                or w.lane_scales != w0.lane_scales
+                or w.lane_scales != w0.lane_scales or w.sz.shape[1] != w0.sz.shape[1]
                 or not np.array_equal(w.bmap, w0.bmap) for w in ws):
             return super().group_linears(ws, biases)
         cat = CpuQuantWeight(w0.bits, sum(w.out_features for w in ws), w0.in_features,

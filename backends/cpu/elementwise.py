@@ -195,13 +195,14 @@ def dequant_rows_q5(out, wp, sc, sz, bmap, rows, scale):  # W5[rows, :K] * scale
 @njit(cache=True, fastmath=True, nogil=True)
 def dequant_rows_q8(out, wp, sc, sz, bmap, rows, scale):  # W8[rows, :K] * scale -> out[R, K]
     """Dequantize rows of a repacked 8-bit weight (``wp`` int8 [out, nb*32]):
-    ``(code * s - sz) * scale`` (``sz`` is 0 for symmetric weights)."""
+    ``(code * s - sz) * scale`` (``sz`` ``[out, 0]`` for symmetric weights: no term)."""
     k = out.shape[1]
+    has_z = sz.shape[1] > 0
     for i in range(rows.shape[0]):
         r = rows[i]
         for b in range((k + 31) // 32):
             s = sc[r, bmap[b]]
-            z = sz[r, bmap[b]]
+            z = sz[r, bmap[b]] if has_z else np.float32(0.0)
             n = min(32, k - b * 32)
             for j in range(n):
                 out[i, b * 32 + j] = (np.float32(wp[r, b * 32 + j]) * s - z) * scale

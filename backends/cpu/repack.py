@@ -7,8 +7,8 @@ CPU kernels want (see :mod:`._simd`):
   ``2c`` in the low nibbles and ``2c + 1`` in the high nibbles;
 * 8-bit codes kept as int8 (symmetric, zero point 0);
 * float32 scales ``sc[out, ng]`` and the zero-point term ``sz = s * z`` (z = stored zero,
-  8 for symmetric 4-bit, 0 for 8-bit; ``sz = -m`` for a weight with float mins,
-  ``w = q * s + m``), so that
+  8 for symmetric 4-bit; ``sz = -m`` for a weight with float mins, ``w = q * s + m``;
+  symmetric 8-bit weights have none: ``sz`` ``[out, 0]``, the kernels skip the term), so that
   ``W @ x = sum_g sc * (codes . x)_g - sum_g sz * sum(x)_g``;
 * the input dimension padded with zero codes to a multiple of 64 (4-bit) or 32 (8-bit);
   padded activations are zero, so padded columns contribute nothing.
@@ -52,7 +52,8 @@ class CpuQuantWeight:
         wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit) or int8
             ``[out, nb * 32]`` (8-bit).
         sc: float32 ``[out, ng]`` group scales.
-        sz: float32 ``[out, ng]`` scale times zero point (``s * z``).
+        sz: float32 ``[out, ng]`` scale times zero point (``s * z``), or ``[out, 0]``
+            where there is no zero-point term (symmetric 8-bit, lane scales).
         bmap: int32 ``[nb]`` block -> group index.
         lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
             only): the kernels of :mod:`.qlane` run it.
@@ -190,9 +191,11 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     else:
         wp = np.zeros((out, kpad), np.int8)
         wp[:, :kp] = w.qweight
-        z = None if w.mins is not None else np.zeros((out, ng), np.float32)
+        z = None if w.mins is not None else 0
     if z is None:
         sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s - sz
+    elif w.bits == 8:  # symmetric 8-bit: no zero-point term at all
+        sz = np.zeros((out, 0), np.float32)
     else:
         sz = (sc * z).astype(np.float32)
     return CpuQuantWeight(w.bits, out, w.in_features, g, nb, np.ascontiguousarray(wp),
@@ -209,7 +212,7 @@ def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | No
             (e.g. :func:`edgeinfer.backends.osmemory.private_file_view` of it).
 
     Returns:
-        the weight (``sc`` a float32 copy of the scales, ``sz`` zeros), or None if ``w``
+        the weight (``sc`` a float32 copy of the scales, ``sz`` ``[out, 0]``), or None if ``w``
         does not qualify (the caller repacks).
     """
     if (w.bits != 8 or w.mins is not None or w.in_padded % BLOCK or not blocks_align_with_groups(w)
@@ -220,7 +223,7 @@ def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | No
     bmap = np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
     sc = np.ascontiguousarray(w.scales, dtype=np.float32)
     return CpuQuantWeight(8, w.out_features, w.in_features, g, nb, codes, sc,
-                          np.zeros_like(sc), bmap)
+                          np.zeros((w.out_features, 0), np.float32), bmap)
 
 
 assert SYMMETRIC_ZERO_4BIT == 8  # the 4-bit symmetric zero the kernels assume via zero_points()
