@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, DecodePlan, DecoderBlock, DecodeStep
+from ..backends.osmemory import release_free_heap
 from .block import RowCaches, block_forward
 from .config import ModelConfig
 from .families import LINEAR_KEYS, layer_tensor_names  # noqa: F401 (re-exported)
@@ -104,7 +105,6 @@ class Transformer:
         else:
             self.lm_head = be.upload_weight(tensors["lm_head.weight"])
         self.norm = be.upload(tensors["model.norm.weight"])
-        self.layers = [upload_layer(be, tensors, i) for i in range(cfg.num_hidden_layers)]
         # One (cos, sin) pair per distinct RoPE base (gemma3 has a local and a global one).
         self._rope: dict[float, tuple[Any, Any]] = {}
         for i in range(cfg.num_hidden_layers):
@@ -112,9 +112,15 @@ class Transformer:
             if theta not in self._rope:
                 cos, sin = rope_tables(cfg, self.max_positions, theta)
                 self._rope[theta] = (be.upload(cos), be.upload(sin))
-        # per layer: the block's tensors and switches
-        self.blocks = tuple(decoder_block(be, cfg, lw, self._rope[cfg.layer_rope_theta(i)], i)
-                            for i, lw in enumerate(self.layers))
+        # per layer: upload, then the block's tensors and switches (its fused copies), then
+        # the freed temporaries go back to the OS, so the load peaks near the weights' size
+        self.layers, blocks = [], []
+        for i in range(cfg.num_hidden_layers):
+            lw = upload_layer(be, tensors, i)
+            self.layers.append(lw)
+            blocks.append(decoder_block(be, cfg, lw, self._rope[cfg.layer_rope_theta(i)], i))
+            release_free_heap()
+        self.blocks = tuple(blocks)
         #: LongRoPE: sequences longer than this run ``long_blocks`` (the same blocks with
         #: the long-factor tables); None for every other RoPE (``long_blocks`` = ``blocks``).
         self.rope_switch = rope_switch(cfg)
