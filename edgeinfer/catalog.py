@@ -376,6 +376,15 @@ def prepare(name: str, converter: Callable[..., dict], *,
     entry = _entry(name)
     dest = prepared_path(name, cache_dir)
     if dest.exists():
+        stale = _made_otherwise(dest)
+        if stale:  # an earlier default's file: kept (never replaced behind the user's back)
+            o = PREPARE_OPTIONS
+            msg = (f"{dest} was made by {stale}, not by the current default ({o['method']} "
+                   f"int{o['bits']} g{o['group_size']}); `edgeinfer rm {name}:int4` makes "
+                   f"it anew on next use")
+            log.warning("%s", msg)
+            if notify is not None:
+                notify(msg)
         return dest
 
     def say(msg: str) -> None:
@@ -403,6 +412,21 @@ def prepare(name: str, converter: Callable[..., dict], *,
         say(f"converted in {time.perf_counter() - t0:.1f} s "
             f"({dest.stat().st_size / 2**20:.0f} MiB); later starts load it directly")
     return dest
+
+
+def _made_otherwise(path: Path) -> str | None:
+    """How the cached ``NAME.int4.eif`` at ``path`` was made ("rtn int4 g128") when that is
+    not :data:`PREPARE_OPTIONS`, else None; None as well for a file whose header does not
+    read (loading it reports that). Reads the header only."""
+    from .container import describe_eif
+
+    try:
+        prov = describe_eif(path).get("provenance") or {}
+    except Exception:  # noqa: BLE001  a damaged file: its load gives the error
+        return None
+    made = (prov.get("method"), prov.get("bits"), prov.get("group_size"))
+    want = tuple(PREPARE_OPTIONS[k] for k in ("method", "bits", "group_size"))
+    return None if made == want else f"{made[0]} int{made[1]} g{made[2]}"
 
 
 def catalog_source(name: str, *, cache_dir: str | os.PathLike | None = None,

@@ -118,6 +118,36 @@ def smollm2_cache(smollm2_gguf, tmp_path):
     return cache
 
 
+def test_prepare_names_a_cached_file_an_earlier_default_made(smollm2_cache, caplog):
+    """A ``NAME.int4.eif`` made by another method (an older release's RTN g128) is used as
+    it is, never replaced, and the user is told how to make the current default's; one
+    made by the current default gets no message."""
+    from test_container import TEMPLATE, TOKENIZER, tiny_model
+
+    from edgeinfer.container import write_eif
+
+    name = "smollm2-135m-instruct"
+    dest = catalog.prepared_path(name, smollm2_cache)
+    cfg, t = tiny_model(False)
+    write_eif(dest, cfg, t, tokenizer_json=TOKENIZER, chat_template=TEMPLATE,
+              provenance={"method": "rtn", "bits": 4, "group_size": 128})
+    before = dest.read_bytes()
+    said = []
+    with caplog.at_level("WARNING", logger="edgeinfer"):
+        assert catalog.prepare(name, cache_dir=smollm2_cache, notify=said.append,
+                               converter=None) == dest
+    assert len(said) == 1 and "made by rtn int4 g128" in said[0]
+    assert "signmax int4 g32" in said[0] and f"edgeinfer rm {name}:int4" in said[0]
+    assert said[0] in caplog.text and dest.read_bytes() == before  # kept as it was
+    o = catalog.PREPARE_OPTIONS
+    write_eif(dest, cfg, t, tokenizer_json=TOKENIZER, chat_template=TEMPLATE, overwrite=True,
+              provenance={k: o[k] for k in ("method", "bits", "group_size")})
+    said.clear()
+    assert catalog.prepare(name, cache_dir=smollm2_cache, notify=said.append,
+                           converter=None) == dest
+    assert said == []
+
+
 def test_prepare_converts_once_with_the_model_card_sampling(smollm2_cache):
     calls, said = [], []
 
