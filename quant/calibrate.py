@@ -195,8 +195,10 @@ class CalibrationBackend(ReferenceBackend):
 
     * attention by batched matmuls on the current K/V directly (nothing is kept in the
       cache); with :attr:`seq_len` set, a call of ``B * seq_len`` rows is ``B`` independent
-      sequences of ``seq_len`` tokens (one matmul stack over sequences and KV heads), so
-      :func:`_run_layer` runs many sequences per call;
+      sequences of ``seq_len`` tokens (one matmul stack over KV heads per sequence: its
+      scores stay in cache), so :func:`_run_layer` runs many sequences per call;
+    * the row-wise ops (rmsnorm, rope, glu) in blocks of :data:`OP_ROWS` rows (temporaries
+      in cache, not in memory: 3-8x faster on a chunk of 4096 rows, the same values);
     * q/k/v and gate/up as one GEMM on the rows stacked once at upload
       (:meth:`group_linears`), split into views.
 
@@ -238,18 +240,52 @@ class CalibrationBackend(ReferenceBackend):
             r += n
         return out
 
+    # row-wise ops in blocks of OP_ROWS rows: each block's temporaries stay in cache (the
+    # values are the reference's: every row is computed alone)
+    def _by_rows(self, fn, x, *rest):
+        if len(x) <= OP_ROWS:
+            return fn(x, *rest)
+        out = None
+        for r in range(0, len(x), OP_ROWS):
+            s = slice(r, r + OP_ROWS)
+            y = fn(x[s], *[a[s] for a in rest])
+            if out is None:
+                out = np.empty((len(x),) + y.shape[1:], y.dtype)
+            out[s] = y
+        return out
+
+    def rmsnorm(self, x, w, eps, unit_offset=False):
+        return self._by_rows(lambda xs: super(CalibrationBackend, self).rmsnorm(
+            xs, w, eps, unit_offset), x)
+
+    def rope(self, x, cos, sin, positions):
+        return self._by_rows(lambda xs, ps: super(CalibrationBackend, self).rope(
+            xs, cos, sin, ps), x, positions)
+
+    def glu(self, gate, up, act="silu"):
+        return self._by_rows(lambda g, u: super(CalibrationBackend, self).glu(g, u, act),
+                             gate, up)
+
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:
             return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
         rows, hq, hd = q.shape
         t = self.seq_len if self.seq_len and rows % self.seq_len == 0 else rows
-        n = rows // t
+        out = np.empty((rows, hq, hd), np.float32)
+        for r in range(0, rows, t):  # one sequence at a time: its scores stay in cache
+            s = slice(r, r + t)
+            out[s] = self._attend_one(q[s], k[s], v[s], scale, window, softcap)
+        return out
+
+    def _attend_one(self, q, k, v, scale, window, softcap):
+        """Causal attention of one sequence: q [T, Hq, hd], k/v [T, Hkv, hd]."""
+        t, hq, hd = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        # [n, Hkv, g*T, hd] @ [n, Hkv, hd, T]: per sequence and KV head, the same products
-        qg = np.ascontiguousarray(q.reshape(n, t, hkv, g, hd).transpose(0, 2, 3, 1, 4))
-        kt = np.ascontiguousarray(k.reshape(n, t, hkv, hd).transpose(0, 2, 3, 1))
-        scores = np.matmul(qg.reshape(n, hkv, g * t, hd), kt).reshape(n, hkv, g, t, t)
+        # [Hkv, g*T, hd] @ [Hkv, hd, T]: per KV head, the products of its g query heads
+        qg = np.ascontiguousarray(q.reshape(t, hkv, g, hd).transpose(1, 2, 0, 3))
+        kt = np.ascontiguousarray(k.transpose(1, 2, 0))
+        scores = np.matmul(qg.reshape(hkv, g * t, hd), kt).reshape(hkv, g, t, t)
         scores *= np.float32(scale)
         if softcap:
             scores = np.tanh(scores / softcap) * softcap
@@ -257,10 +293,9 @@ class CalibrationBackend(ReferenceBackend):
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
-        vt = np.ascontiguousarray(v.reshape(n, t, hkv, hd).transpose(0, 2, 1, 3))
-        out = np.matmul(p.reshape(n, hkv, g * t, t), vt)  # [n, Hkv, g*T, hd]
-        return np.ascontiguousarray(out.reshape(n, hkv, g, t, hd).transpose(0, 3, 1, 2, 4)
-                                    ).reshape(rows, hq, hd).astype(np.float32)
+        vt = np.ascontiguousarray(v.transpose(1, 0, 2))
+        out = np.matmul(p.reshape(hkv, g * t, t), vt)  # [Hkv, g*T, hd]
+        return out.reshape(hkv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, hq, hd)
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,6 +310,8 @@ class _FusedGroup(LinearGroup):
 
 #: Calibration tokens run through one layer call (a GEMM of this many rows).
 CHUNK_TOKENS = 4096
+#: Rows per call of :class:`CalibrationBackend`'s row-wise ops (a few hundred KB each).
+OP_ROWS = 256
 
 
 def _solver_pool():

@@ -88,3 +88,54 @@ def test_batched_forward_matches_per_sequence(stories_dir, monkeypatch):
         out = decoder_layer(ref, cfg, w, x[j], pos, rope, cache, 0, 1)
         np.testing.assert_allclose(y[j], out, rtol=1e-5, atol=1e-5 * np.abs(out).max())
     assert not np.allclose(y[0], y[1])  # control: the sequences differ
+
+
+def test_calibration_rowwise_ops_equal_reference():
+    """rmsnorm / rope / glu in blocks of OP_ROWS rows give the reference's values exactly
+    (gate/up as the column views of one fused product, as the calibration forward has)."""
+    rng = np.random.default_rng(5)
+    T = 3 * cal.OP_ROWS + 17
+    ref, be = ReferenceBackend(), cal.CalibrationBackend()
+    x = (rng.normal(size=(T, 96)) * 3).astype(np.float32)
+    w = rng.normal(size=96).astype(np.float32)
+    for off in (False, True):
+        a, b = ref.rmsnorm(x, w, 1e-6, off), be.rmsnorm(x, w, 1e-6, off)
+        assert a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+    qh = rng.normal(size=(T, 4, 16)).astype(np.float32)  # per-head norm (QK-norm) shape
+    np.testing.assert_array_equal(ref.rmsnorm(qh, w[:16], 1e-6), be.rmsnorm(qh, w[:16], 1e-6))
+    cos = rng.uniform(-1, 1, (T + 5, 8)).astype(np.float32)
+    sin = rng.uniform(-1, 1, (T + 5, 8)).astype(np.float32)
+    pos = np.tile(np.arange(T // 3 + 1, dtype=np.int32), 3)[:T]
+    np.testing.assert_array_equal(ref.rope(qh, cos, sin, pos), be.rope(qh, cos, sin, pos))
+    y = rng.normal(0, 4, (T, 192)).astype(np.float32)
+    for act in ("silu", "gelu_tanh"):
+        a, b = ref.glu(y[:, :96], y[:, 96:], act), be.glu(y[:, :96], y[:, 96:], act)
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a).max() > 1.0
+
+
+def test_calibration_attention_per_sequence():
+    """The batched attention (one sequence at a time) equals each sequence run alone,
+    exactly, and the reference's per-sequence attention (its cache path) closely."""
+    rng = np.random.default_rng(6)
+    L, n, hq, hkv, hd = 48, 5, 6, 2, 16
+    q = rng.normal(size=(n * L, hq, hd)).astype(np.float32)
+    k = rng.normal(size=(n * L, hkv, hd)).astype(np.float32)
+    v = rng.normal(size=(n * L, hkv, hd)).astype(np.float32)
+    be, ref = cal.CalibrationBackend(), ReferenceBackend()
+    be.seq_len = L
+    for window in (None, 7):
+        out = be.attention(q, k, v, None, 0, 0, 0.25, window)
+        assert out.shape == (n * L, hq, hd) and out.dtype == np.float32
+        for j in range(n):
+            s = slice(j * L, (j + 1) * L)
+            be.seq_len = None  # a call of L rows: one sequence
+            np.testing.assert_array_equal(out[s], be.attention(q[s], k[s], v[s], None, 0, 0,
+                                                               0.25, window))
+            be.seq_len = L
+            cache = ref.new_kv_cache(1, hkv, hd, L)
+            np.testing.assert_allclose(out[s], ref.attention(q[s], k[s], v[s], cache, 0, 0,
+                                                             0.25, window),
+                                       rtol=1e-5, atol=1e-6)
+        assert not np.allclose(out[:L], out[L:2 * L])
