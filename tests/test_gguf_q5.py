@@ -15,8 +15,6 @@ backends/cpu/_simd.py and _simd_tokens.py).
 """
 from __future__ import annotations
 
-import types
-
 import gguf
 import numpy as np
 import pytest
@@ -28,6 +26,8 @@ from edgeinfer.backends.cpu.repack import five_bit_codes
 from edgeinfer.backends.quantized import QuantizedTensor
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.readers.gguf_blocks import relayout
+from layout_models import (assert_rows_bit_identical_whatever_m, batched_step_handles,
+                           stories_in_layout)
 
 REF = ReferenceBackend()
 CPU = CpuBackend(threads=2)
@@ -242,32 +242,16 @@ def test_embedding_rows_exact_decode_and_fused_groups():
 @pytest.fixture(scope="module")
 def stories_q5(stories_dir):
     """stories260K with every linear (and the head) in the Q5_0 re-layout's form."""
-    from edgeinfer.readers import read_model
-
-    src = read_model(str(stories_dir))
-    tensors = {n: (q5_layout(np.asarray(t, np.float32)) if n.endswith("proj.weight")
-                   or n == "lm_head.weight" else t) for n, t in src.tensors.items()}
-    assert sum(isinstance(t, QuantizedTensor) for t in tensors.values()) == 7 * 5 + 1
-    return types.SimpleNamespace(config=src.config, tensors=tensors)
+    return stories_in_layout(stories_dir, q5_layout)
 
 
 @pytest.mark.parametrize("kv", ["int8", "f16"])
 def test_q5_model_rows_bit_identical_whatever_m(stories_q5, kv):
-    from test_cache_invariance import _prompt, _rows_three_ways
-
-    whole, chunks, steps = _rows_three_ways(stories_q5, _prompt(stories_q5, 33), kv)
-    assert np.array_equal(whole, chunks) and np.array_equal(whole, steps)
-    assert np.isfinite(whole).all() and whole.std() > 0.1
+    assert_rows_bit_identical_whatever_m(stories_q5, kv)
 
 
 def test_q5_model_batched_step_bit_identical(stories_q5):
-    from test_batching import _check
-
-    from edgeinfer.models.families import LINEAR_KEYS
-
-    tr, _, _ = _check(stories_q5, "f16")
-    handles = [h for layer in tr.layers for k, h in layer.items() if k in LINEAR_KEYS]
-    assert len(handles) == 7 * 5 and all(h.bits == 5 for h in handles + [tr.lm_head])
+    assert all(h.bits == 5 for h in batched_step_handles(stories_q5))
 
 
 @pytest.mark.slow

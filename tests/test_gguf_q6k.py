@@ -28,6 +28,8 @@ from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.readers.gguf_blocks import relayout
 from edgeinfer.readers.gguf_file import GGUFFile
+from layout_models import (assert_rows_bit_identical_whatever_m, batched_step_handles,
+                           stories_in_layout)
 
 Q6 = gguf.GGMLQuantizationType.Q6_K
 REF = ReferenceBackend()
@@ -249,32 +251,16 @@ def test_opencl_runs_the_layout_on_its_8bit_kernels():
 @pytest.fixture(scope="module")
 def stories_q6(stories_dir):
     """stories260K with every linear (and the head) in the Q6_K re-layout's form."""
-    from edgeinfer.readers import read_model
-
-    src = read_model(str(stories_dir))
-    tensors = {n: (q6_layout(np.asarray(t, np.float32)) if n.endswith("proj.weight")
-                   or n == "lm_head.weight" else t) for n, t in src.tensors.items()}
-    assert sum(isinstance(t, QuantizedTensor) for t in tensors.values()) == 7 * 5 + 1
-    return types.SimpleNamespace(config=src.config, tensors=tensors)
+    return stories_in_layout(stories_dir, q6_layout)
 
 
 @pytest.mark.parametrize("kv", ["int8", "f16"])
 def test_q6k_model_rows_bit_identical_whatever_m(stories_q6, kv):
-    from test_cache_invariance import _prompt, _rows_three_ways
-
-    whole, chunks, steps = _rows_three_ways(stories_q6, _prompt(stories_q6, 33), kv)
-    assert np.array_equal(whole, chunks) and np.array_equal(whole, steps)
-    assert np.isfinite(whole).all() and whole.std() > 0.1
+    assert_rows_bit_identical_whatever_m(stories_q6, kv)
 
 
 def test_q6k_model_batched_step_bit_identical(stories_q6):
-    from test_batching import _check
-
-    from edgeinfer.models.families import LINEAR_KEYS
-
-    tr, _, _ = _check(stories_q6, "f16")
-    handles = [h for layer in tr.layers for k, h in layer.items() if k in LINEAR_KEYS]
-    assert len(handles) == 7 * 5 and all(h.lane_scales for h in handles + [tr.lm_head])
+    assert all(h.lane_scales for h in batched_step_handles(stories_q6))
 
 
 @pytest.mark.slow
