@@ -307,9 +307,18 @@ def test_max_tokens_beyond_the_context_is_cut_to_it(stories_dir):
 
 
 # ---- shutdown -------------------------------------------------------------------------------
-def test_shutdown_cancels_a_running_stream(model):
+def test_shutdown_cancels_a_running_stream(model, monkeypatch):
     """uvicorn's exit (what SIGTERM triggers) cancels the generation within about the
-    grace period: the worker thread notices between decode steps."""
+    grace period: the worker thread notices between decode steps. Each step is held 5 ms
+    so that the 500 tokens outlast the 1 s grace period on any machine (stories260K
+    alone can decode them in under a second on a fast one, and then completes)."""
+    forward = model.transformer.forward
+
+    def slow_forward(*a, **k):
+        time.sleep(0.005)
+        return forward(*a, **k)
+
+    monkeypatch.setattr(model.transformer, "forward", slow_forward)
     s = ServerThread(create_app(model, NAME, limits=LIMITS)).__enter__()
     counters = s.app.state.counters
     with socket.create_connection(("127.0.0.1", s.port)) as c:  # a stuck client: never reads
