@@ -24,7 +24,8 @@ Layouts consumed (built by :mod:`.repack`):
   low nibbles and block ``2c + 1`` in the high nibbles, each in natural column order.
 * 5-bit: ``wp`` uint8 ``[rows, nb * 20]``; 40-byte chunk ``c``: the 4-bit chunk's 32
   bytes (bits 0-3 of the codes), then one u32 per block (bit ``j``: bit 4 of column
-  ``j``), OR-ed into the widened nibbles (llama.cpp ``Q5_0`` / ``Q5_1`` codes 0..31).
+  ``j``), OR-ed into the nibble bytes before widening (llama.cpp ``Q5_0`` / ``Q5_1``
+  codes 0..31; :func:`chunk_codes`).
 * 8-bit: ``wp`` int8 ``[rows, nb * 32]``, the codes as stored, sign-extended to int16.
 
 Activations: ``xq`` int16 ``[nb * 32]`` (block ``b`` at ``32 b``, column ``j`` at lane
@@ -149,8 +150,9 @@ def _make_rows_kernel(n_rows: int, bits: int):
     """Build an intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` rows.
 
     ``y`` float32 [rows] (written at r0..r0+n_rows-1), ``r0`` int64 first row, ``wp``
-    uint8 2-D packed weights (``bits`` 4, 5 or 8), ``sc`` float32 2-D scales, ``xq`` int16 [nb*32], ``dx``
-    float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for 4 bits).
+    uint8 2-D packed weights (``bits`` 4, 5 or 8), ``sc`` float32 2-D scales, ``xq`` int16
+    [nb*32], ``dx`` float32 [nb], ``bmap`` int32 [nb], ``nb`` int64 blocks per row (even for
+    4 and 5 bits).
     """
 
     @intrinsic
