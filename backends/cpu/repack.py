@@ -118,6 +118,12 @@ def _repack_lanes(w: QuantizedTensor) -> CpuQuantWeight:
                           np.zeros((out, 0), np.float32), bmap, lane_scales=True)
 
 
+def block_groups(nb: int, g: int, ng: int) -> np.ndarray:
+    """``bmap`` int32 ``[nb]``: the group of each 32-column block (groups of ``g`` columns,
+    ``ng`` of them; padded blocks past the last group take it: their activations are 0)."""
+    return np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
+
+
 def five_bit_codes(w: QuantizedTensor) -> np.ndarray | None:
     """The unsigned 5-bit codes ``[out, in_padded]`` uint8 (0..31) of an 8-bit weight that
     is a 5-bit one (llama.cpp ``Q5_0``: symmetric codes in -16..15, stored ``+ 16``;
@@ -149,8 +155,8 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
         sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s + m
     else:
         sz = (sc * np.float32(16)).astype(np.float32)  # w = (q - 16) * s
-    bmap = np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
-    return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz, bmap)
+    return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
+                          block_groups(nb, g, ng))
 
 
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
@@ -178,8 +184,7 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     chunk = 2 * BLOCK if w.bits == 4 else BLOCK
     kpad = -(-kp // chunk) * chunk
     nb = kpad // BLOCK
-    cols = np.arange(nb) * BLOCK
-    bmap = np.minimum(cols // g, ng - 1).astype(np.int32)  # padded blocks: any group (x = 0)
+    bmap = block_groups(nb, g, ng)
     sc = np.ascontiguousarray(w.scales, dtype=np.float32)
     if w.bits == 4:
         codes = np.zeros((out, kpad), np.uint8)
@@ -220,7 +225,7 @@ def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | No
             or not codes.flags.c_contiguous or not codes.flags.writeable):
         return None
     nb, g, ng = w.in_padded // BLOCK, w.group_size, w.n_groups
-    bmap = np.minimum(np.arange(nb) * BLOCK // g, ng - 1).astype(np.int32)
+    bmap = block_groups(nb, g, ng)
     sc = np.ascontiguousarray(w.scales, dtype=np.float32)
     return CpuQuantWeight(8, w.out_features, w.in_features, g, nb, codes, sc,
                           np.zeros((w.out_features, 0), np.float32), bmap)
