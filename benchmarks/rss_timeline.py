@@ -7,9 +7,10 @@ Loads MODEL (a catalog name, ``.gguf`` or ``.eif``) and runs one generation of a
 prompt (``speculate="off"``) while a sampler thread reads ``VmRSS`` every 0.3 ms. Each time
 RSS has moved by more than ``--step`` MiB since the last report, it records the main
 thread's innermost frames. Prints one JSON object: RSS after load, the run's peak
-(``VmHWM`` since load), and the growth summed per innermost frame, largest first. Linux
-only (``/proc/self/status``). Frames are where the main thread was when the sampler saw
-the change, so a step can be charged to the op after the one that allocated it.
+(``VmHWM`` since load), and the RSS changes summed per innermost frames (MiB; a release
+counts negative), largest first. Linux only (``/proc/self/status``). Frames are where the
+main thread was when the sampler saw the change, so a step can be charged to the op after
+the one that allocated it.
 """
 from __future__ import annotations
 
