@@ -13,6 +13,7 @@ helpers a model is built with live in :mod:`.loading`, :class:`ChatSession` in
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -127,6 +128,14 @@ class Model:
                                        self.backend, max_positions=max(n_ctx, 1))
         self.load_s = time.perf_counter() - t0
         source.drop_resident_pages()  # the backend holds its own (repacked) copy now
+        #: bytes of the weights on this backend (:func:`source_weight_bytes`), kept for
+        #: display: :attr:`source` no longer holds the tensors.
+        self.weight_bytes = source_weight_bytes(source, self.backend.name)
+        # what runs needs neither the source's tensors (the backend has its copy) nor the
+        # tokenizer.json text (the tokenizer is built): Gemma 3's text alone is 67 MiB of
+        # str, Qwen2.5's ~20 MiB. The caller's object is left as it is.
+        self.source = dataclasses.replace(source, tensors={}, row_tables={},
+                                          tokenizer_json="")
         release_free_heap()  # repacking temporaries
         if self.backend.name == "cpu":  # LLVM pages touched by `import numba` (~40 MiB)
             release_jit_compiler_pages()

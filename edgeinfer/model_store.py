@@ -264,12 +264,7 @@ def server_state(model, model_id: str, url: str, cache_dir=None):
 
 
 def _weights(model) -> int:
-    from .api import source_weight_bytes
-
-    try:
-        return source_weight_bytes(model.source, model.backend.name)
-    except Exception:  # noqa: BLE001  a figure for display only
-        return 0
+    return int(getattr(model, "weight_bytes", 0) or 0)  # a figure for display only
 
 
 def _rss_bytes(pid: int) -> int | None:

@@ -355,3 +355,35 @@ def test_bench_peak_rss_within_target_smollm2(smollm2_gguf, tmp_path):
     d = json.loads(r.stdout)
     assert d["rss_target_mb"] == pytest.approx(d["file_mb"] + d["kv_mb"] + 143.05, abs=0.01)
     assert d["run_peak_rss_mb"] <= d["rss_target_mb"], d
+
+
+def test_a_loaded_model_drops_its_source_tensors_and_tokenizer_text(stories_gguf):
+    """After the upload a Model holds a slim copy of its source: no tensors, row tables or
+    tokenizer.json text (Gemma 3's is 67 MiB of str), the caller's source left whole, and the
+    original not kept alive; generation is unchanged."""
+    import gc
+    import weakref
+
+    from edgeinfer import api
+    from edgeinfer.readers.gguf import read_gguf
+
+    src = read_gguf(stories_gguf)
+    text, names = src.tokenizer_json, sorted(src.tensors)
+    expect_bytes = api.source_weight_bytes(src, "cpu")
+    fresh = api.Model(read_gguf(stories_gguf), backend="cpu")
+    prompt = fresh.tokenizer.encode("Once upon a time")
+    want = [e.token for e in fresh.engine.stream(prompt, max_tokens=12, stop=())
+            if e.token is not None]
+    m = api.Model(src, backend="cpu")
+    assert (m.source.tensors, m.source.row_tables, m.source.tokenizer_json) == ({}, {}, "")
+    assert m.source.path == src.path and m.source.config == src.config
+    assert m.source.generation == src.generation and m.source.shapes == src.shapes
+    assert src.tokenizer_json == text and sorted(src.tensors) == names  # caller's, untouched
+    assert m.weight_bytes == expect_bytes > 0
+    ref = weakref.ref(src)
+    del src
+    gc.collect()
+    assert ref() is None  # nothing in the model holds the full source
+    got = [e.token for e in m.engine.stream(prompt, max_tokens=12, stop=())
+           if e.token is not None]
+    assert got == want and len(got) == 12
