@@ -344,3 +344,40 @@ def test_normed_layer_equals_composition(kv, weights, d, hq, hkv, hd, f, bias, w
     lin = lp.steps.lin_qkv[0][1]
     assert isinstance(lin, np.ndarray) == (weights == "f32")  # 4-bit: the fused q/k/v GEMV
     assert (lp.attn is None) == (ring and kv in ("f32", "f16"))  # else the kernels ran
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("rows", [7, 300])
+def test_glu_reads_a_fused_gate_up_output_in_place_bit_identical(gelu, rows, monkeypatch):
+    """Column views of one fused gate|up output go to glu_rows_of_par without copies and
+    give the same bits as contiguous copies through glu_rows2(_par) and as glu_row per row
+    (the decode's kernel); any other strided pair falls back to the copies."""
+    from edgeinfer.backends.cpu import elementwise as ew
+
+    f = 4864
+    gu = (np.random.default_rng(rows).standard_normal((rows, 2 * f)) * 3).astype(np.float32)
+    g, u = gu[:, :f], gu[:, f:]
+    want = np.empty((rows, f), np.float32)
+    for r in range(rows):
+        ew.glu_row(want[r], np.ascontiguousarray(g[r]), np.ascontiguousarray(u[r]), gelu)
+    copies = ew.glu_into(np.empty_like(want), g.copy(), u.copy(), gelu)
+    assert ew._fused_columns(g, u) == (gu, 0, f)
+    assert ew._fused_columns(u, g) == (gu, f, 0)
+    calls, real = [], ew.glu_rows_of_par
+
+    def recorded(y, base, go, uo, act):
+        calls.append((go, uo))
+        return real(y, base, go, uo, act)
+
+    monkeypatch.setattr(ew, "glu_rows_of_par", recorded)
+    got = ew.glu_into(np.empty_like(want), g, u, gelu)
+    swapped = ew.glu_into(np.empty_like(want), u, g, gelu)
+    assert calls == [(0, f), (f, 0)]
+    assert np.array_equal(got, want) and np.array_equal(copies, want)
+    assert not np.array_equal(swapped, want)
+    # not one base (a copy's column views), or a stepped view: the copy path
+    other = gu.copy()
+    assert ew._fused_columns(g, other[:, f:]) is None
+    assert ew._fused_columns(gu[:, :2 * f:2], gu[:, 1::2]) is None
+    assert ew._fused_columns(gu[::2, :f], gu[::2, f:]) is None
+

@@ -131,16 +131,49 @@ def glu_rows2_par(y, g, u, gelu):  # as glu_rows2, rows split across threads
         glu_row(y[r], g[r], u[r], gelu)
 
 
+@njit(parallel=True, cache=True)
+def glu_rows_of_par(y, gu, go, uo, gelu):  # gu[R, W] -> y[R, F] from gu[r, go:go+F], gu[r, uo:]
+    """:func:`glu_row` on ``gu[r, go:go+F]`` and ``gu[r, uo:uo+F]`` (F = ``y.shape[1]``),
+    rows split across threads: a fused gate|up output read in place (prefill)."""
+    f = y.shape[1]
+    for r in prange(y.shape[0]):
+        row = gu[r]
+        glu_row(y[r], row[go:go + f], row[uo:uo + f], gelu)
+
+
+def _fused_columns(g, up):
+    """(gu, go, uo) when ``g`` and ``up`` are column views [R, F] of one C-contiguous
+    float32 [R, W] array ``gu`` starting at columns go / uo, else None."""
+    base = g.base
+    if (base is None or up.base is not base or not isinstance(base, np.ndarray)
+            or base.ndim != 2 or base.dtype != np.float32 or not base.flags.c_contiguous
+            or base.shape[0] != g.shape[0] or g.shape != up.shape
+            or g.strides != base.strides or up.strides != base.strides):
+        return None
+    go, rg = divmod(g.ctypes.data - base.ctypes.data, 4)
+    uo, ru = divmod(up.ctypes.data - base.ctypes.data, 4)
+    f = g.shape[1]
+    if rg or ru or not (0 <= go <= base.shape[1] - f and 0 <= uo <= base.shape[1] - f):
+        return None
+    return base, go, uo
+
+
 def glu_into(y, g, up, gelu):
     """``y[..., F] = act(g) * up`` into ``y`` (float32 C-contiguous, same shape as ``g``
     and ``up``); act SiLU, or GELU-tanh when ``gelu`` (:func:`glu_row` per row: the fused
-    decode's numerics). Strided ``g`` / ``up`` (column views of a fused gate|up output)
-    are copied to contiguous rows first; contiguous ones allocate nothing.
+    decode's numerics). Column views ``g`` / ``up`` of one fused gate|up output [R, W] are
+    read in place (:func:`glu_rows_of_par`); other strided ones are copied to contiguous
+    rows first; contiguous ones allocate nothing.
     """
     if g.ndim != 2:
         f = g.shape[-1]
         glu_into(y.reshape(-1, f), g.reshape(-1, f), up.reshape(-1, f), gelu)
         return y
+    if g.size >= PAR_MIN_ELEMS and not g.flags.c_contiguous:
+        fused = _fused_columns(g, up)
+        if fused is not None:
+            glu_rows_of_par(y, fused[0], fused[1], fused[2], gelu)
+            return y
     # C-contiguous rows, as the fused decode passes them: the same compiled row kernel
     # (a strided row compiles to other, unvectorized code whose results differ by ulps)
     g, up = np.ascontiguousarray(g), np.ascontiguousarray(up)
