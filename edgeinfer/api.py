@@ -132,8 +132,8 @@ class Model:
         #: display: :attr:`source` no longer holds the tensors.
         self.weight_bytes = source_weight_bytes(source, self.backend.name)
         # what runs needs neither the source's tensors (the backend has its copy) nor the
-        # tokenizer.json text (the tokenizer is built): Gemma 3's text alone is 67 MiB of
-        # str, Qwen2.5's ~20 MiB. The caller's object is left as it is.
+        # tokenizer.json text (the tokenizer is built; a large vocabulary's text is tens
+        # of MiB as a str). The caller's object is left as it is.
         self.source = dataclasses.replace(source, tensors={}, row_tables={},
                                           tokenizer_json="")
         release_free_heap()  # repacking temporaries
