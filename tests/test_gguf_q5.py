@@ -110,7 +110,9 @@ def test_packed_bytes_of_a_hand_made_row():
     assert np.array_equal(row[:32], (j & 15) | ((j & 15) << 4))
     assert np.array_equal(row[32:36].view("<u4"), [0xFFFF0000])  # columns 16-31 have bit 4
     assert np.array_equal(row[36:40].view("<u4"), [0xFFFF0000])
-    np.testing.assert_array_equal(h.sz, 16 * h.sc)  # w = (u - 16) s
+    # w = (u - 16) s: sz = 16 s, held as sc itself (no second [out, ng] array)
+    assert h.zero_scale == 16.0 and h.sz is h.sc
+    assert h.nbytes == h.wp.nbytes + h.sc.nbytes
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def test_simd_portable_and_oracle_agree(qname, out, nblk, group):
             kernels[4](y, 4 * i, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
         for r in range(4 * nblk4, out):
             kernels[1](y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-        y -= h.sz @ xg
+        y -= h.zero_scale * (h.sz @ xg)
         assert nerr(y, oracle) < ACT_TOL
         ys.append(y)
     assert nerr(ys[0], ys[-1]) < 1e-6  # the same exact integer dots, float order aside
@@ -164,7 +166,7 @@ def test_simd_portable_and_oracle_agree(qname, out, nblk, group):
     for r in range(out):
         _simd.PORTABLE_ROWS[(1, 5)](y0, r, cleared.reshape(out, -1), h.sc, xq, dx, h.bmap,
                                     h.n_blocks)
-    assert nerr(y0 - h.sz @ xg, oracle) > 0.1
+    assert nerr(y0 - h.zero_scale * (h.sz @ xg), oracle) > 0.1
 
 
 @pytest.mark.parametrize("t", [2, 5, 40])  # 2 tokens, tails of the 4-token kernels, > 1 chunk
@@ -215,7 +217,7 @@ def _portable_rows(h, x):
     y = np.zeros(h.out_features, np.float32)
     for r in range(h.out_features):
         _simd.PORTABLE_ROWS[(1, 5)](y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-    return y - h.sz @ xg
+    return y - h.zero_scale * (h.sz @ xg)
 
 
 def test_embedding_rows_exact_decode_and_fused_groups():
@@ -236,6 +238,43 @@ def test_embedding_rows_exact_decode_and_fused_groups():
     for t in (1, 5):
         for y, hv in zip(CPU.linear_many(x[:t], grp), hs):
             assert bits_equal(y, CPU.linear(x[:t], hv))
+
+    assert grp.weight.sz is grp.weight.sc  # fused Q5_0 rows keep sz implicit too
+
+
+@pytest.mark.parametrize("rows", [45, 2100])  # serial GEMV; > SERIAL_MAX_BYTES: parallel
+def test_q5_0_implicit_zero_term_bit_identical_to_a_stored_one(rows):
+    """Q5_0's ``sz = 16 s`` held as ``sc`` with ``zero_scale`` 16 (no [out, ng] array)
+    gives the bits of the same weight with ``sz`` stored: decode GEMV, prefill GEMM and
+    dequantized rows (embedding and prefill tiles)."""
+    from dataclasses import replace
+
+    from edgeinfer.backends.cpu.gemv import SERIAL_MAX_BYTES
+    from edgeinfer.backends.cpu.qlane import row_dequant
+
+    rng = np.random.default_rng(rows)
+    w = relayout(q5_blocks(rng, "Q5_0", rows, 12), "Q5_0", "t", "x.gguf")
+    h = CPU.upload_weight(w)
+    assert h.sz is h.sc and h.zero_scale == 16.0
+    assert (h.nbytes > SERIAL_MAX_BYTES) == (rows > 1000)
+    stored = replace(h, sz=np.ascontiguousarray(16 * h.sc), zero_scale=1.0)
+    assert stored.nbytes == h.nbytes + h.sc.nbytes
+    x = rng.standard_normal((7, w.in_features)).astype(np.float32) * 3
+    bias = rng.standard_normal(rows).astype(np.float32)
+    for t in (1, 7):
+        a, b = CPU.linear(x[:t], h, bias), CPU.linear(x[:t], stored, bias)
+        assert bits_equal(a, b)
+    assert nerr(CPU.linear(x, h, bias), x @ w.dequantize().T + bias) < ACT_TOL
+    ids = np.array([0, rows - 1, 3], np.int64)
+    got = np.empty((3, w.in_features), np.float32)
+    want = np.empty_like(got)
+    row_dequant(h)(got, h.wp, h.sc, h.sz, h.bmap, ids, np.float32(0.5))
+    row_dequant(stored)(want, stored.wp, stored.sc, stored.sz, stored.bmap, ids, np.float32(0.5))
+    assert bits_equal(got, want)
+    assert np.array_equal(got, w.dequantize(rows=ids) * np.float32(0.5))  # -0 == 0: s < 0
+    # control: without the 16 the implicit term is wrong (the test can fail)
+    wrong = replace(h, zero_scale=1.0)
+    assert nerr(CPU.linear(x[:1], wrong, bias), CPU.linear(x[:1], h, bias)) > 0.01
 
 
 # ---- models ---------------------------------------------------------------------------------

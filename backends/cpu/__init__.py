@@ -327,13 +327,15 @@ class CpuBackend(Backend):
                 or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
                 or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
                 or w.lane_scales != w0.lane_scales or w.sz.shape[1] != w0.sz.shape[1]
+                or w.zero_scale != w0.zero_scale
                 or not np.array_equal(w.bmap, w0.bmap) for w in ws):
             return super().group_linears(ws, biases)
+        sc = np.concatenate([w.sc for w in ws])
         cat = CpuQuantWeight(w0.bits, sum(w.out_features for w in ws), w0.in_features,
                              w0.group_size, w0.n_blocks,
-                             np.concatenate([w.wp for w in ws]),
-                             np.concatenate([w.sc for w in ws]),
-                             np.concatenate([w.sz for w in ws]), w0.bmap, w0.lane_scales)
+                             np.concatenate([w.wp for w in ws]), sc,
+                             sc if w0.zero_scale != 1.0 else np.concatenate([w.sz for w in ws]),
+                             w0.bmap, w0.lane_scales, w0.zero_scale)
         splits, members, r = [], [], 0
         for w in ws:
             a, r = r, r + w.out_features

@@ -209,13 +209,24 @@ def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale
 def dequant_rows_q5(out, wp, sc, sz, bmap, rows, scale):  # W5[rows, :K] * scale -> out[R, K]
     """Dequantize rows ``rows`` [R] of a 5-bit weight: ``(code * s - sz) * scale`` into
     ``out`` float32 [R, K] (K <= the padded width). Releases the GIL."""
+    _dequant_q5(out, wp, sc, sz, bmap, rows, scale, np.float32(1.0))
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q5_sym(out, wp, sc, sz, bmap, rows, scale):  # W5[rows, :K] * scale -> out[R, K]
+    """As :func:`dequant_rows_q5` for ``Q5_0`` (``sz`` is ``sc``, zero 16: ``sz = 16 s``)."""
+    _dequant_q5(out, wp, sc, sz, bmap, rows, scale, np.float32(16.0))
+
+
+@njit(cache=True, fastmath=True, nogil=True, inline="always")
+def _dequant_q5(out, wp, sc, sz, bmap, rows, scale, zmul):
     k = out.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
         for b in range((k + 31) // 32):
             g = bmap[b]
             s = sc[r, g]
-            z = sz[r, g]
+            z = sz[r, g] * zmul  # exact: zmul is 1 or 16
             c0 = (b // 2) * 40  # .repack.CHUNK_BYTES_Q5
             sh = np.uint8(4 * (b % 2))
             h0 = c0 + 32 + 4 * (b % 2)

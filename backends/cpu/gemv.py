@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd import ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4
+from .repack import FIVE_BIT_ZERO
 
 BLOCK = 32
 #: Activation integer range per block: q in [-ACT_LEVELS, ACT_LEVELS] (15 bits).
@@ -152,6 +153,36 @@ def gemv_q5_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5[out, in] @ x
         _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
 
 
+@njit(cache=True, fastmath=False)
+def _times(xg, m):  # xg *= m, m a power of two (exact)
+    for g in range(xg.shape[0]):
+        xg[g] *= m
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def gemv_q5_sym(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5 @ x, sz = 16 sc implicitly
+    """As :func:`gemv_q5` for a symmetric 5-bit weight (``Q5_0``) whose ``sz`` is ``sc``
+    (:attr:`.repack.CpuQuantWeight.zero_scale` 16): the group sums ``X`` are scaled by 16,
+    which rounds as ``16 sc`` did."""
+    quantize_act(xq, dx, xg, x, bmap)
+    _times(xg, np.float32(FIVE_BIT_ZERO))
+    out = y.shape[0]
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):
+        _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
+@njit(cache=True, fastmath=True)
+def gemv_q5_sym_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
+    """As :func:`gemv_q5_sym` on the calling thread."""
+    quantize_act(xq, dx, xg, x, bmap)
+    _times(xg, np.float32(FIVE_BIT_ZERO))
+    out = y.shape[0]
+    nblk = out // 4
+    for i in range(nblk + out - nblk * 4):
+        _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
 @njit(parallel=True, cache=True, fastmath=True)
 def gemv_q8(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W8[out, in] @ x[in] (+ b) -> y[out]
     """8-bit GEMV (int8 codes widened to int16, integer dots), row blocks across threads."""
@@ -227,7 +258,9 @@ def gemv_quant(y: np.ndarray, x: np.ndarray, w, bias: np.ndarray | None,
             fn = gemv_fn(w)
         else:
             serial = w.nbytes <= SERIAL_MAX_BYTES
-            fn = {4: (gemv_q4, gemv_q4_serial), 5: (gemv_q5, gemv_q5_serial),
+            fives = (gemv_q5, gemv_q5_serial) if w.zero_scale == 1.0 else (
+                gemv_q5_sym, gemv_q5_sym_serial)
+            fn = {4: (gemv_q4, gemv_q4_serial), 5: fives,
                   8: (gemv_q8, gemv_q8_serial)}[w.bits][serial]
         w._gemv = fn
     fn(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)

@@ -64,13 +64,13 @@ def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):  # 
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, xgt, bits):
+def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, xgt, bits, zmul):
     t_n = x.shape[0]
     for t in prange(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
     for g in range(xg.shape[1]):
         for t in range(t_n):
-            xgt[g, t] = xg[t, g]
+            xgt[g, t] = xg[t, g] * zmul  # zero_scale: 1 or a power of two (exact)
     out = y.shape[1]
     nb = dx.shape[1]
     n_tiles = -(-out // TILE_ROWS)
@@ -110,5 +110,5 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
     xg = np.empty((t, w.n_groups), np.float32)
     xgt = np.zeros((w.n_groups, t + TOKEN_BLOCK), np.float32)  # 4-lane loads past t: zeros
     _gemm_int(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
-              xq, dx, xg, xgt, w.bits)
+              xq, dx, xg, xgt, w.bits, np.float32(w.zero_scale))
     return y

@@ -17,7 +17,10 @@ CPU kernels want (see :mod:`._simd`):
 :mod:`edgeinfer.readers.gguf_blocks`, :func:`five_bit_codes`) run at 5 bits: the 4-bit
 chunk layout plus a u32 of fifth bits per block (``wp`` uint8 ``[out, nb * 20]``,
 :data:`._simd.CHUNK_BYTES`), unsigned codes 0..31 with ``sz = 16 s`` (``Q5_0``) or
-``-m`` (``Q5_1``): 5.5 bits per weight plus the float32 ``sc`` / ``sz``.
+``-m`` (``Q5_1``): 5 bits per weight plus the float32 ``sc`` (and ``sz`` for ``Q5_1``).
+``Q5_0``'s ``sz`` is not stored: it is ``sc`` itself with :attr:`CpuQuantWeight.zero_scale`
+16, and the kernels scale the activation group sums ``X`` by 16 instead (exact: a power
+of two), so ``16 X . s`` rounds as ``X . 16 s`` did, bit for bit.
 
 8-bit weights with a scale per 16 columns (llama.cpp ``Q6_K``, :func:`has_lane_scales`)
 keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
@@ -38,6 +41,8 @@ from ..quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
 BLOCK = 32  # activation quantization block (columns) == integer dot block
 #: Bytes per two-block chunk of a 5-bit row (:data:`._simd.CHUNK_BYTES`).
 CHUNK_BYTES_Q5 = 40
+#: The zero of symmetric 5-bit codes (``Q5_0``: stored code ``u``, weight ``(u - 16) s``).
+FIVE_BIT_ZERO = 16
 
 
 @dataclass
@@ -57,7 +62,11 @@ class CpuQuantWeight:
         bmap: int32 ``[nb]`` block -> group index.
         lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
             only): the kernels of :mod:`.qlane` run it.
-        nbytes: bytes streamed per GEMV (codes + sc + sz).
+        zero_scale: the zero-point term is ``zero_scale * sum_g sz[r, g] X[g]``; 1, or 16
+            with ``sz`` the array ``sc`` (symmetric 5-bit, ``Q5_0``: ``sz = 16 s`` held
+            implicitly; the kernels multiply ``X`` by it).
+        nbytes: bytes streamed per GEMV (codes + sc + sz, ``sz`` not again when it is
+            ``sc``).
     """
 
     bits: int
@@ -70,6 +79,7 @@ class CpuQuantWeight:
     sz: np.ndarray
     bmap: np.ndarray
     lane_scales: bool = False
+    zero_scale: float = 1.0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,7 +91,8 @@ class CpuQuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.wp.nbytes + self.sc.nbytes + self.sz.nbytes)
+        return int(self.wp.nbytes + self.sc.nbytes
+                   + (0 if self.zero_scale != 1.0 else self.sz.nbytes))
 
 
 def blocks_align_with_groups(w: QuantizedTensor) -> bool:
@@ -151,12 +162,14 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
     fifth = np.packbits(c3 >> 4, axis=-1, bitorder="little")  # [out, nb/2, 2, 4] bytes
     wp[:, :, BLOCK:] = fifth.reshape(out, nb // 2, 8)
     sc = np.ascontiguousarray(w.scales, dtype=np.float32)
+    bmap = block_groups(nb, g, ng)
     if w.mins is not None:
         sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s + m
-    else:
-        sz = (sc * np.float32(16)).astype(np.float32)  # w = (q - 16) * s
-    return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
-                          block_groups(nb, g, ng))
+        return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
+                              bmap)
+    # w = (q - 16) * s: sz = 16 s, held as sc itself (zero_scale 16)
+    return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sc,
+                          bmap, zero_scale=float(FIVE_BIT_ZERO))
 
 
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
