@@ -34,7 +34,7 @@ FLOAT_TOL = 1e-5
 
 #: byte offsets of each type's fp16 fields (d, and m / dmin) inside a block
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q4_K": (0, 2), "Q6_K": (208,)}
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def nerr(y, ref):
@@ -88,7 +88,7 @@ def test_relayout_of_gguf_quantized_floats(qname):
 def test_relayout_sizes_are_the_files_own():
     rng = np.random.default_rng(0)
     want = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0,
-            "Q6_K": 10.0}
+            "Q5_K": 10.0, "Q6_K": 10.0}
     for qname, bpw in want.items():
         w = relayout(random_blocks(rng, qname, 4, 2), qname, "t", "x.gguf")
         assert w.bits_per_weight == bpw, qname
@@ -115,6 +115,7 @@ def test_quantized_tensor_mins_are_validated():
 # ---- CPU kernels on the re-laid layouts vs the reference backend ----------------------------
 KCASES = [("Q4_1", 37, 4), ("Q4_1", 300, 18), ("Q4_0", 13, 6), ("Q8_0", 9, 18),
           ("Q5_0", 33, 6), ("Q5_1", 21, 6), ("Q5_1", 260, 18), ("Q4_K", 11, 2),
+          ("Q5_K", 11, 2), ("Q5_K", 70, 3),
           ("Q6_K", 11, 2), ("Q6_K", 130, 3)]
 
 
@@ -127,7 +128,7 @@ def test_cpu_linear_on_relaid_weights_matches_reference(qname, out, nblk, t):
     x = rng.standard_normal((t, w.in_features)).astype(np.float32)
     bias = rng.standard_normal(out).astype(np.float32)
     h = CPU.upload_weight(w)
-    bits = 5 if qname in ("Q5_0", "Q5_1") else w.bits  # Q5_*: 5-bit codes (repack)
+    bits = 5 if qname in ("Q5_0", "Q5_1", "Q5_K") else w.bits  # Q5_*: 5-bit codes (repack)
     assert isinstance(h, CpuQuantWeight) and h.bits == bits  # the integer kernels, no float copy
     ref = REF.linear(x, REF.upload_weight(w), bias)
     assert bits_equal(REF.upload_weight(w), gguf.quants.dequantize(raw, QT[qname]))
@@ -140,7 +141,7 @@ def test_cpu_linear_on_relaid_weights_matches_reference(qname, out, nblk, t):
             assert nerr(CPU.linear(x, h0, bias), ref) > 3e-2
 
 
-@pytest.mark.parametrize("qname", ["Q8_0", "Q5_0", "Q5_1", "Q4_1"])
+@pytest.mark.parametrize("qname", ["Q8_0", "Q5_0", "Q5_1", "Q4_1", "Q5_K"])
 def test_cpu_embedding_rows_of_relaid_tables_are_exact(qname):
     rng = np.random.default_rng(5)
     w = relayout(random_blocks(rng, qname, 50, 4), qname, "t", "x.gguf")

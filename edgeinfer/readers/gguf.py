@@ -3,10 +3,10 @@
 Metadata becomes an HF-style config dict, tensor names become the canonical HF names,
 and the tokenizer is rebuilt as a ``tokenizer.json`` (:mod:`edgeinfer.readers.gguf_tokenizer`).
 Weights of the block types in :data:`~edgeinfer.readers.gguf_blocks.NATIVE_TYPES` (Q4_0,
-Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q6_K) come back as :class:`QuantizedTensor` re-laid losslessly
+Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) come back as :class:`QuantizedTensor` re-laid losslessly
 from the file's blocks (:mod:`edgeinfer.readers.gguf_blocks`), so the model runs at its
 own quality with no float32 copy; every other tensor is dequantized to float32 on access
-(``gguf.quants.dequantize``: F32, F16, BF16, Q2_K, Q3_K, Q5_K, Q8_K, IQ*), a quantized one with
+(``gguf.quants.dequantize``: F32, F16, BF16, Q2_K, Q3_K, Q8_K, IQ*), a quantized one with
 a log line naming it and its type. ``native=False`` dequantizes everything (what the
 converter starts from).
 

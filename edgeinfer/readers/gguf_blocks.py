@@ -16,20 +16,25 @@ Q5_0      ``d * (q - 16)``, q 5-bit              8-bit (q - 16), group 32     8.
 Q5_1      ``d * q + m``, q 5-bit                 8-bit (q), fp16 mins         9.0
 Q4_K      ``(d*sc) * q - dmin*m``, 256 per       4-bit, group 32, fp32        6.0
           super-block, 6-bit sc / m per 32       scale ``d*sc`` and min
+Q5_K      ``(d*sc) * q - dmin*m``, q 5-bit,      8-bit (q), group 32, fp32    10.0
+          256 per super-block, 6-bit sc / m      scale ``d*sc`` and min
 Q6_K      ``(d*sc) * (q - 32)``, 256 per         8-bit (q - 32), group 16,    10.0
           super-block, int8 sc per 16            fp32 scale ``d*sc``
 ========  =====================================  ===========================  =====
 
-(``Q4_K``'s and ``Q6_K``'s ``d * sc`` is a product of an fp16 and a 6- or 8-bit
-integer: exact in float32, not in float16, hence fp32 scales.) Q5_0 / Q5_1 / Q6_K take
-8-bit codes until the kernels read 5- and 6-bit ones (the CPU backend runs 16-column
-groups of 8-bit codes with one scale per half block, :mod:`edgeinfer.backends.cpu.qlane`);
+(``Q4_K``'s, ``Q5_K``'s and ``Q6_K``'s ``d * sc`` is a product of an fp16 and a 6- or 8-bit
+integer: exact in float32, not in float16, hence fp32 scales.) Q5_0 / Q5_1 / Q5_K / Q6_K
+take 8-bit codes here: the CPU backend repacks the 5-bit ones to 5 bits
+(:func:`edgeinfer.backends.cpu.repack.five_bit_codes`) and runs Q6_K's 16-column groups of
+8-bit codes with one scale per half block (:mod:`edgeinfer.backends.cpu.qlane`);
 the other types are not re-laid: the reader dequantizes them, with a log line.
 
 Block layouts: ggml-common.h (``block_q4_0`` …, ``block_q4_K``) and the ``gguf``
 package's ``quants.py``; a 4-bit block stores elements ``j`` and ``j + 16`` in the
 low and high nibble of byte ``j``, a Q4_K super-block stores sub-blocks ``2c`` and
-``2c + 1`` in the low and high nibbles of its ``c``-th 32 bytes.
+``2c + 1`` in the low and high nibbles of its ``c``-th 32 bytes; a Q5_K super-block
+adds 32 bytes ``qh`` whose bit ``k`` of byte ``l`` is bit 4 of element ``l`` of sub-block
+``k``.
 """
 from __future__ import annotations
 
@@ -147,6 +152,21 @@ def _q4_k(raw, name, where):
     return _q4(codes.reshape(rows, nsb * _QK_K), scales, mins, nsb * _QK_K, "gguf:Q4_K")
 
 
+def _q5_k(raw, name, where):
+    b = _blocks(raw, 176, _QK_K, name, where)
+    rows, nsb = b.shape[:2]
+    d = _f16(b, 0).astype(np.float32)[:, :, None]
+    dmin = _f16(b, 2).astype(np.float32)[:, :, None]
+    sc, mn = _k_scale_min(b[:, :, 4:16])
+    scales = (d * sc.astype(np.float32)).reshape(rows, nsb * 8)
+    mins = -(dmin * mn.astype(np.float32)).reshape(rows, nsb * 8)
+    qh = b[:, :, 16:48].reshape(rows, nsb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    qs = b[:, :, 48:].reshape(rows, nsb, 4, 1, 32)
+    low = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=3)  # [r, n, 4, 2, 32]
+    codes = low.reshape(rows, nsb, 8, 32) | ((qh & np.uint8(1)) << np.uint8(4))  # 0..31
+    return _q8(codes.view(np.int8), scales, mins, nsb * _QK_K, "gguf:Q5_K")
+
+
 def _q6_k(raw, name, where):
     b = _blocks(raw, 210, _QK_K, name, where)
     rows, nsb = b.shape[:2]
@@ -163,11 +183,11 @@ def _q6_k(raw, name, where):
 #: ggml type name -> re-layout function ``(raw [rows, row_bytes], name, where) -> QuantizedTensor``.
 NATIVE_TYPES: dict[str, Callable[[np.ndarray, str, str], QuantizedTensor]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-    "Q6_K": _q6_k,
+    "Q5_K": _q5_k, "Q6_K": _q6_k,
 }
 
 _BPW = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q5_0": 8.5, "Q5_1": 9.0, "Q4_K": 6.0,
-        "Q6_K": 10.0}
+        "Q5_K": 10.0, "Q6_K": 10.0}
 
 
 def native_bits_per_weight(qtype_name: str) -> float | None:
