@@ -22,7 +22,8 @@ import pytest
 from numba import njit
 
 from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd_k
-from edgeinfer.backends.cpu.gemv import ActScratch, quantize_act
+from edgeinfer.backends.cpu.gemv import SERIAL_MAX_BYTES, ActScratch, quantize_act
+from edgeinfer.backends.cpu.repack import factor_lane_scales, repack_lanes8
 from edgeinfer.backends.quantized import QuantizedTensor
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.errors import ModelFormatError
@@ -148,6 +149,19 @@ def _simd_rows1(y, r0, wp, sc, xq, dx, nb):
     _S1(y, r0, wp, sc, xq, dx, nb)
 
 
+_S64, _S61 = _simd_k.SIMD_LANE6_ROWS[4], _simd_k.SIMD_LANE6_ROWS[1]
+
+
+@njit
+def _simd6_rows4(y, r0, wp, sc, xq, dx, nb):
+    _S64(y, r0, wp, sc, xq, dx, nb)
+
+
+@njit
+def _simd6_rows1(y, r0, wp, sc, xq, dx, nb):
+    _S61(y, r0, wp, sc, xq, dx, nb)
+
+
 @pytest.mark.parametrize("out,nsb", [(9, 1), (37, 2), (301, 3)])  # 1-row tails; > serial bytes
 def test_simd_portable_and_oracle_agree(out, nsb):
     rng = np.random.default_rng(out + nsb)
@@ -158,8 +172,9 @@ def test_simd_portable_and_oracle_agree(out, nsb):
     quantize_act(xq, dx, xg, x, h.bmap)
     oracle = w.dequantize() @ x
     ys = []
-    for kernels in ({4: _simd_rows4, 1: _simd_rows1}, _simd_k.PORTABLE_LANE_ROWS):
-        if kernels[4] is _simd_rows4 and not _simd_k.HAVE_AVX2:
+    assert h.bits == 6  # 6-bit codes, int8 lane scales times d (the SIMD_LANE6 kernels)
+    for kernels in ({4: _simd6_rows4, 1: _simd6_rows1}, _simd_k.PORTABLE_LANE6_ROWS):
+        if kernels[4] is _simd6_rows4 and not _simd_k.HAVE_AVX2:
             continue
         y = np.zeros(out, np.float32)
         nblk = out // 4
@@ -227,6 +242,59 @@ def test_fused_q6k_linears_and_no_mixing():
                          32, 512)
     mixed = CPU.group_linears([hs[0], CPU.upload_weight(q8)], [None, None])
     assert not hasattr(mixed, "splits")  # a 32-column-group 8-bit weight is not fused in
+
+
+def _extreme_q6k(rng):
+    """Q6_K bytes [2, 630] with fp16 max, subnormal and zero ``d`` and sub-scales -128 / 127
+    (as test_relayout_bit_identical_with_extreme_scales)."""
+    d = np.array([[65504.0, -65504.0, 6e-8], [0.0, 1.0, -2.0 ** -14]])
+    raw = q6k_blocks(rng, 2, 3, d)
+    raw.reshape(2, 3, 210)[0, :, 192:196] = np.array([-128, 127, 0, 1], np.int8).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("case", ["extreme", "tails", "parallel"])
+def test_six_bit_form_bit_identical_to_the_8bit_one(case):
+    """The 6-bit form (6.625 bits per weight) gives the 8-bit form's values bit for bit:
+    serial and parallel GEMV, prefill GEMM, exact decode, embedding rows, a fused group."""
+    rng = np.random.default_rng(len(case))
+    rows, nsb = {"extreme": (2, 3), "tails": (37, 2), "parallel": (600, 3)}[case]
+    raw = _extreme_q6k(rng) if case == "extreme" else q6k_blocks(rng, rows, nsb)
+    w = relayout(raw, "Q6_K", "t", "x.gguf")
+    h6, h8 = CPU.upload_weight(w), repack_lanes8(w)
+    assert (h6.bits, h8.bits) == (6, 8) and h6.n_groups == h8.n_groups
+    assert h6.nbytes * 8 / (rows * 256 * nsb) == pytest.approx(6.625, abs=0.02)
+    assert (case == "parallel") == (h6.nbytes > SERIAL_MAX_BYTES)
+    x = rng.standard_normal((40, w.in_features)).astype(np.float32)
+    for t in (1, 2, 5, 40):
+        assert bits_equal(CPU.linear(x[:t], h6), CPU.linear(x[:t], h8)), t
+    exact = CpuBackend(threads=1, exact_decode=True)
+    assert bits_equal(exact.linear(x[:3], h6), exact.linear(x[:3], h8))
+    ids = np.array([rows - 1, 0, rows // 2, 0])
+    assert bits_equal(CPU.embed(h6, ids), CPU.embed(h8, ids))
+    assert bits_equal(CPU.embed(h6, ids), w.dequantize(rows=ids))
+    g6 = CPU.group_linears([h6, CPU.upload_weight(w)], [None, None])
+    g8 = CPU.group_linears([h8, repack_lanes8(w)], [None, None])
+    assert g6.weight.bits == 6 and g8.weight.bits == 8
+    for y6, y8 in zip(CPU.linear_many(x[:1], g6), CPU.linear_many(x[:1], g8)):
+        assert bits_equal(y6, y8)
+
+
+def test_scales_that_do_not_factor_keep_the_8bit_form():
+    """Lane scales with no exact int8 x float32 factoring per 256 columns (and all-zero
+    super-blocks, which do) are told apart: the former stay 8-bit, the latter go 6-bit."""
+    rng = np.random.default_rng(8)
+    w = relayout(q6k_blocks(rng, 4, 2), "Q6_K", "t", "x.gguf")
+    q, d = factor_lane_scales(w.scales)
+    assert bits_equal(q.astype(np.float32) * np.repeat(d, 16, axis=1), w.scales)
+    s = w.scales.copy()
+    s[:, 16:] = 0.0
+    assert factor_lane_scales(s) is not None
+    s[1, 3] = np.nextafter(s[1, 3], np.float32(1))  # one ulp: no longer d * int8
+    assert factor_lane_scales(s) is None
+    odd = QuantizedTensor(w.qweight, s, None, 8, 16, w.in_features, "gguf:Q6_K")
+    h = CPU.upload_weight(odd)
+    assert h.bits == 8 and bits_equal(CPU.embed(h, np.array([1])), odd.dequantize(rows=[1]))
 
 
 def test_opencl_runs_the_layout_on_its_8bit_kernels():

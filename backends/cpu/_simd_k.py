@@ -27,7 +27,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import HAVE_AVX2, _UNPACK_HI, _UNPACK_LO, _declare, _gep, _hsum8, _splat_f32
+from ._simd import (HAVE_AVX2, STRICT, _UNPACK_HI, _UNPACK_LO, _declare, _gep, _hsum8,
+                    _splat_f32)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -121,6 +122,179 @@ def _make_lane_rows_kernel(n_rows: int):
     return kernel
 
 
+_V4I64 = ir.VectorType(ir.IntType(64), 4)
+
+
+def _high_crumbs(builder, row, at):
+    """<32 x i8>: byte ``8 g + k`` = bits ``2 g``, ``2 g + 1`` of byte ``k`` of the 8 bytes
+    at ``at`` of ``row``, shifted to bits 4 and 5 (a 6-bit block's high code bits)."""
+    i64 = ir.IntType(64)
+    h = builder.load(builder.bitcast(_gep(builder, row, at), i64.as_pointer()), align=1)
+    v = builder.shuffle_vector(builder.insert_element(ir.Constant(_V4I64, ir.Undefined), h,
+                                                      ir.Constant(_I32, 0)),
+                               ir.Constant(_V4I64, ir.Undefined),
+                               ir.Constant(ir.VectorType(_I32, 4), [0, 0, 0, 0]))
+    v = builder.lshr(v, ir.Constant(_V4I64, [0, 2, 4, 6]))  # vpsrlvq
+    v = builder.and_(v, ir.Constant(_V4I64, [0x0303030303030303] * 4))
+    return builder.bitcast(builder.shl(v, ir.Constant(_V4I64, [4] * 4)), _V32I8)
+
+
+def _make_lane6_rows_kernel(n_rows: int):
+    """As :func:`_make_lane_rows_kernel` on a 6-bit weight (:mod:`.repack`, ``bits`` 6):
+    ``wp`` uint8 ``[rows, nb * 24]`` (48-byte chunks: nibbles, then the high-bit crumbs
+    of block ``2c``, then of ``2c + 1``), ``sc`` uint8 ``[rows, A + 4 nsb]`` (int8 lane scales,
+    float32 super-block scales from byte ``A``, :func:`.repack.lane6_scale_offset`); ``nb``
+    even. Each block's codes are built in bytes (nibble | high crumb << 4, minus 32),
+    then run as the 8-bit kernel; its two lane scales are ``float(q) * d`` (exact)."""
+
+    @intrinsic
+    def kernel(typingctx, y, r0, wp, sc, xq, dx, nb):
+        sig = types.void(y, r0, wp, sc, xq, dx, nb)
+
+        def codegen(context, builder, signature, args):
+            ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx, _ = signature.args
+            a_y = context.make_array(ty_y)(context, builder, args[0])
+            a_wp = context.make_array(ty_wp)(context, builder, args[2])
+            a_sc = context.make_array(ty_sc)(context, builder, args[3])
+            a_xq = context.make_array(ty_xq)(context, builder, args[4])
+            a_dx = context.make_array(ty_dx)(context, builder, args[5])
+            i64 = ir.IntType(64)
+            r0v, nbv = args[1], args[6]
+            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]  # bytes per code row
+            srow = cgutils.unpack_tuple(builder, a_sc.strides, 2)[0]  # bytes per scale row
+            mod = builder.module
+            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+            fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+            prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
+                                [_I8.as_pointer(), _I32, _I32, _I32])
+            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+            sbase = builder.bitcast(a_sc.data, _I8.as_pointer())
+            xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
+            ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
+            # byte offset of the float32 super-block scales: (2 nb + 3) & ~3
+            dat = builder.and_(builder.add(builder.mul(nbv, ir.Constant(i64, 2)),
+                                           ir.Constant(i64, 3)), ir.Constant(i64, -4))
+            zero8 = ir.Constant(_V8F32, [0.0] * 8)
+            zero32 = ir.Constant(_V32I8, [0] * 32)
+            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+            halves = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
+            v2i8 = ir.VectorType(_I8, 2)
+            accs, wrows, srows = [], [], []
+            for r in range(n_rows):
+                acc = cgutils.alloca_once(builder, _V8F32)
+                builder.store(zero8, acc)
+                accs.append(acc)
+                row = builder.add(r0v, ir.Constant(i64, r))
+                wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
+                srows.append(_gep(builder, sbase, builder.mul(row, srow)))
+
+            def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
+                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
+
+            nch = builder.sdiv(nbv, ir.Constant(i64, 2))
+            with cgutils.for_range(builder, nch) as loop:
+                c = loop.index
+                off = builder.mul(c, ir.Constant(i64, 48))
+                xs, fs = [], []
+                for h in range(2):
+                    b = builder.add(builder.mul(c, ir.Constant(i64, 2)), ir.Constant(i64, h))
+                    xo = builder.mul(b, ir.Constant(i64, 32))
+                    xs.append([builder.load(builder.bitcast(_gep(builder, xbase, builder.add(
+                        xo, ir.Constant(i64, k))), _V16I16.as_pointer()), align=2)
+                        for k in (0, 16)])
+                    fs.append(_splat_f32(builder, builder.load(_gep(builder, a_dx.data, b))))
+                for r in range(n_rows):
+                    wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                      _V32I8.as_pointer()), align=1)
+                    builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                            ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                            ir.Constant(_I32, 1)])
+                    for h in range(2):
+                        b = builder.add(builder.mul(c, ir.Constant(i64, 2)), ir.Constant(i64, h))
+                        nib = (builder.and_(wv, ir.Constant(_V32I8, [15] * 32)) if h == 0 else
+                               builder.lshr(wv, ir.Constant(_V32I8, [4] * 32)))
+                        u = builder.or_(nib, _high_crumbs(
+                            builder, wrows[r], builder.add(off, ir.Constant(i64, 32 + 8 * h))))
+                        s8 = builder.sub(u, ir.Constant(_V32I8, [32] * 32))
+                        sign = builder.sext(builder.icmp_signed("<", s8, zero32), _V32I8)
+                        p32 = builder.add(
+                            builder.call(pmaddwd, [widen(s8, lo_idx, sign), xs[h][0]]),
+                            builder.call(pmaddwd, [widen(s8, hi_idx, sign), xs[h][1]]))
+                        q2 = builder.load(builder.bitcast(
+                            _gep(builder, srows[r], builder.mul(b, ir.Constant(i64, 2))),
+                            v2i8.as_pointer()), align=1)
+                        dp = _gep(builder, srows[r], builder.add(
+                            dat, builder.mul(builder.ashr(b, ir.Constant(i64, 3)),
+                                             ir.Constant(i64, 4))))
+                        dv = builder.load(builder.bitcast(dp, _F32.as_pointer()), align=1)
+                        d2 = builder.shuffle_vector(
+                            builder.insert_element(ir.Constant(_V2F32, ir.Undefined), dv,
+                                                   ir.Constant(_I32, 0)),
+                            ir.Constant(_V2F32, ir.Undefined), ir.Constant(
+                                ir.VectorType(_I32, 2), [0, 0]))
+                        s2 = builder.fmul(builder.sitofp(q2, _V2F32), d2, flags=STRICT)
+                        s8v = builder.shuffle_vector(s2, ir.Constant(_V2F32, ir.Undefined),
+                                                     halves)
+                        t = builder.fmul(builder.sitofp(p32, _V8F32), fs[h])
+                        builder.store(builder.call(fmuladd, [t, s8v, builder.load(accs[r])]),
+                                      accs[r])
+            for r in range(n_rows):
+                tot = _hsum8(builder, builder.load(accs[r]))
+                builder.store(tot, _gep(builder, a_y.data, builder.add(r0v, ir.Constant(i64, r))))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+@njit(cache=True, fastmath=False, inline="always")
+def lane6_scale(sc, r, b, h, nb):  # the float32 scale of half h of block b, row r (6-bit)
+    """``float32(q) * d`` from a 6-bit weight's packed ``sc`` uint8 (:mod:`.repack`):
+    exact, the scale the weight was given."""
+    v = np.int32(sc[r, 2 * b + h])
+    if v > 127:
+        v -= 256
+    at = (2 * nb + 3) // 4 * 4 + 4 * (b >> 3)  # .repack.lane6_scale_offset
+    return np.float32(v) * sc[r, at:at + 4].view(np.float32)[0]
+
+
+@njit(cache=True, fastmath=False, inline="always")
+def lane6_code(wp, r, k):  # the signed 6-bit code of column k, row r (-32..31)
+    """Column ``k``'s code ``u - 32`` of a 6-bit row (48-byte chunks, :mod:`.repack`)."""
+    c0 = (k >> 6) * 48
+    hb = (k >> 5) & 1
+    j = k & 31
+    u = (np.int32(wp[r, c0 + j]) >> (4 * hb)) & 15
+    u |= ((np.int32(wp[r, c0 + 32 + 8 * hb + (j & 7)]) >> (2 * (j >> 3))) & 3) << 4
+    return u - 32
+
+
+@njit(cache=True, fastmath=True)
+def _lane6_rows_portable(y, r0, nr, wp, sc, xq, dx, nb):  # same sums, plain loops
+    for r in range(r0, r0 + nr):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            for h in range(2):
+                s = np.int32(0)
+                for j in range(16 * h, 16 * h + 16):
+                    q = np.int32(xq[b * 32 + ((j & 7) | ((j >> 4) << 3) | (((j >> 3) & 1) << 4))])
+                    s += np.int32(lane6_code(wp, r, b * 32 + j)) * q
+                acc += np.float32(s) * dx[b] * lane6_scale(sc, r, b, h, nb)
+        y[r] = acc
+
+
+@njit(cache=True)
+def _p_lane6_rows4(y, r0, wp, sc, xq, dx, nb):
+    _lane6_rows_portable(y, r0, 4, wp, sc, xq, dx, nb)
+
+
+@njit(cache=True)
+def _p_lane6_rows1(y, r0, wp, sc, xq, dx, nb):
+    _lane6_rows_portable(y, r0, 1, wp, sc, xq, dx, nb)
+
+
 @njit(cache=True, fastmath=True)
 def _lane_rows_portable(y, r0, nr, wp, sc, xq, dx, nb):  # same sums, plain loops
     for r in range(r0, r0 + nr):
@@ -151,3 +325,9 @@ SIMD_LANE_ROWS = {4: _make_lane_rows_kernel(4), 1: _make_lane_rows_kernel(1)}
 PORTABLE_LANE_ROWS = {4: _p_lane_rows4, 1: _p_lane_rows1}
 _ROWS = SIMD_LANE_ROWS if HAVE_AVX2 else PORTABLE_LANE_ROWS
 q8l_rows4, q8l_rows1 = _ROWS[4], _ROWS[1]
+
+#: The same for 6-bit weights (``bits`` 6, :func:`_make_lane6_rows_kernel`).
+SIMD_LANE6_ROWS = {4: _make_lane6_rows_kernel(4), 1: _make_lane6_rows_kernel(1)}
+PORTABLE_LANE6_ROWS = {4: _p_lane6_rows4, 1: _p_lane6_rows1}
+_ROWS6 = SIMD_LANE6_ROWS if HAVE_AVX2 else PORTABLE_LANE6_ROWS
+q6l_rows4, q6l_rows1 = _ROWS6[4], _ROWS6[1]

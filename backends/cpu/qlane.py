@@ -12,14 +12,16 @@ prefill agree bit for bit whatever the number of rows.
 Weights (:class:`.repack.CpuQuantWeight` with ``lane_scales``): ``wp`` int8
 ``[out, nb * 32]``, ``sc`` float32 ``[out, 2 * nb]``, ``sz`` float32 ``[out, 0]``
 (symmetric: no zero-point term), ``bmap`` int32 ``[nb]`` (``2 b``; only for the shared
-activation quantizer's per-group sums, unused here).
+activation quantizer's per-group sums, unused here). 6-bit ones (``bits`` 6: 6-bit codes,
+int8 lane scales times a float32 per 256 columns, :mod:`.repack`) run the same steps on
+:mod:`._simd_k`'s 6-bit row kernels, with the same sums.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ._simd_k import q8l_rows1, q8l_rows4
+from ._simd_k import lane6_code, lane6_scale, q6l_rows1, q6l_rows4, q8l_rows1, q8l_rows4
 from .elementwise import dequant_rows_q4, dequant_rows_q5, dequant_rows_q5_sym, dequant_rows_q8
 from .gemv import SERIAL_MAX_BYTES, XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
 from .repack import CpuQuantWeight
@@ -40,6 +42,38 @@ def _lane_block(i, nblk, y, wp, sc, sz, bias, xq, dx, xg):  # row block i of W @
         r0, nr = nblk * 4 + (i - nblk), 1
         q8l_rows1(y, r0, wp, sc, xq, dx, nb)
     _finish_rows(y, r0, nr, sz, xg, bias)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _lane6_block(i, nblk, y, wp, sc, sz, bias, xq, dx, xg):  # row block i of W6 @ x
+    nb = dx.shape[0]
+    if i < nblk:
+        r0, nr = i * 4, 4
+        q6l_rows4(y, r0, wp, sc, xq, dx, nb)
+    else:
+        r0, nr = nblk * 4 + (i - nblk), 1
+        q6l_rows1(y, r0, wp, sc, xq, dx, nb)
+    _finish_rows(y, r0, nr, sz, xg, bias)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def gemv_q6l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W6[out, in] @ x[in] (+ b) -> y[out]
+    """Lane-scaled 6-bit GEMV (:mod:`.repack`), row blocks of 4 split across threads."""
+    quantize_act(xq, dx, xg, x, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):
+        _lane6_block(i, nblk, y, wp, sc, sz, bias, xq, dx, xg)
+
+
+@njit(cache=True, fastmath=True)
+def gemv_q6l_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
+    """As :func:`gemv_q6l` on the calling thread."""
+    quantize_act(xq, dx, xg, x, bmap)
+    out = y.shape[0]
+    nblk = out // 4
+    for i in range(nblk + out - nblk * 4):
+        _lane6_block(i, nblk, y, wp, sc, sz, bias, xq, dx, xg)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -65,6 +99,8 @@ def gemv_q8l_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
 def gemv_fn(w: CpuQuantWeight):
     """The GEMV of a lane-scaled weight ``(y, x, wp, sc, sz, bmap, bias, xq, dx, xg)``:
     serial up to ``SERIAL_MAX_BYTES``, else parallel (as :func:`.gemv.gemv_quant`)."""
+    if w.bits == 6:
+        return gemv_q6l_serial if w.nbytes <= SERIAL_MAX_BYTES else gemv_q6l
     return gemv_q8l_serial if w.nbytes <= SERIAL_MAX_BYTES else gemv_q8l
 
 
@@ -88,6 +124,26 @@ def _gemm_q8l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
                 _lane_block(i, nblk, y[t], wp, sc, sz, bias, xq[t], dx[t], xg[t])
 
 
+@njit(parallel=True, cache=True, fastmath=True)
+def _gemm_q6l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q8l, 6-bit rows
+    t_n = x.shape[0]
+    for t in prange(t_n):
+        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+    out = y.shape[1]
+    nblk = out // 4
+    n_items = nblk + out - nblk * 4
+    n_tiles = -(-n_items // TILE_BLOCKS)
+    n_chunks = -(-t_n // TILE_TOKENS)
+    for it in prange(n_tiles * n_chunks):
+        tile = it // n_chunks
+        c = it - tile * n_chunks
+        i1 = min(n_items, (tile + 1) * TILE_BLOCKS)
+        t1 = min(t_n, (c + 1) * TILE_TOKENS)
+        for i in range(tile * TILE_BLOCKS, i1):
+            for t in range(c * TILE_TOKENS, t1):
+                _lane6_block(i, nblk, y[t], wp, sc, sz, bias, xq[t], dx[t], xg[t])
+
+
 _NO_BIAS = np.zeros(0, np.float32)
 
 
@@ -108,7 +164,8 @@ def gemm_lane(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.n
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
-    _gemm_q8l(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)
+    gemm = _gemm_q6l if w.bits == 6 else _gemm_q8l
+    gemm(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)
     return y
 
 
@@ -127,12 +184,26 @@ def dequant_rows_q8l(out, wp, sc, sz, bmap, rows, scale):  # W[rows, :K] * scale
                 out[i, c] = np.float32(wp[r, c]) * s * scale
 
 
+@njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q6l(out, wp, sc, sz, bmap, rows, scale):  # W6[rows, :K] * scale -> out[R, K]
+    """As :func:`dequant_rows_q8l` for a 6-bit weight (codes and packed lane scales of
+    :mod:`.repack`). Releases the GIL."""
+    k = out.shape[1]
+    nb = bmap.shape[0]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for j in range((k + 15) // 16):
+            s = lane6_scale(sc, r, j >> 1, j & 1, nb)
+            for c in range(j * 16, min(k, j * 16 + 16)):
+                out[i, c] = np.float32(lane6_code(wp, r, c)) * s * scale
+
+
 def row_dequant(w: CpuQuantWeight):
     """The row dequantizer ``(out, wp, sc, sz, bmap, rows, scale)`` of any repacked weight:
     :func:`dequant_rows_q8l` for lane scales, else :mod:`.elementwise`'s 4- / 5- / 8-bit
     one."""
     if w.lane_scales:
-        return dequant_rows_q8l
+        return dequant_rows_q6l if w.bits == 6 else dequant_rows_q8l
     if w.bits == 5 and w.zero_scale != 1.0:
         return dequant_rows_q5_sym
     return {4: dequant_rows_q4, 5: dequant_rows_q5, 8: dequant_rows_q8}[w.bits]

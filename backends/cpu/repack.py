@@ -26,6 +26,15 @@ of two), so ``16 X . s`` rounds as ``X . 16 s`` did, bit for bit.
 keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
 :mod:`._simd_k`) and no zero-point term (``sz`` ``[out, 0]``).
 
+Those whose codes are 6-bit ones (``Q6_K``: -32..31, :func:`six_bit_codes`) and whose
+lane scales factor exactly as an int8 times a float32 per 16 lanes (256 columns,
+:func:`factor_lane_scales`; ``Q6_K``'s ``d * sc``) run at 6 bits (``bits`` 6): ``wp``
+uint8 ``[out, nb * 24]``, per 64-column chunk the 4-bit chunk's 32 nibble bytes, then
+8 bytes per block (``2c``, ``2c + 1``) whose byte ``k`` holds bits 4 and 5 of the block's
+codes ``k + 8 g`` at bits ``2 g``, ``2 g + 1`` (g = 0..3), codes ``u - 32``; ``sc`` uint8 ``[out, A + 4 * nsb]``: the int8 lane scales (``2 nb`` of them,
+padded to ``A``, a multiple of 4), then the float32 super-block scales (one per 8 blocks);
+the kernels multiply the two (exact: the stored ``d * sc``): 6.625 bits per weight.
+
 This is a copy made once at upload (never on disk): ~4.5 bits/weight for INT4 g128.
 8-bit codes whose width is already a multiple of 32 need no change: :func:`repack_q8_view`
 wraps given codes (e.g. a copy-on-write file view of an ``.eif`` embedding) without a copy.
@@ -50,13 +59,14 @@ class CpuQuantWeight:
     """A quantized weight ``W[out, in]`` repacked for the CPU kernels.
 
     Attributes:
-        bits: 4, 5 or 8.
+        bits: 4, 5, 6 or 8.
         out_features, in_features: logical shape.
         group_size: columns per scale group (of the source tensor).
         n_blocks: 32-column blocks per row after padding (``nb``; even for 4 bits).
-        wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit) or int8
-            ``[out, nb * 32]`` (8-bit).
-        sc: float32 ``[out, ng]`` group scales.
+        wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit), uint8
+            ``[out, nb * 24]`` (6-bit) or int8 ``[out, nb * 32]`` (8-bit).
+        sc: float32 ``[out, ng]`` group scales; 6-bit: uint8, the packed lane scales
+            (module docstring, :func:`lane6_scale_offset`).
         sz: float32 ``[out, ng]`` scale times zero point (``s * z``), or ``[out, 0]``
             where there is no zero-point term (symmetric 8-bit, lane scales).
         bmap: int32 ``[nb]`` block -> group index.
@@ -87,6 +97,8 @@ class CpuQuantWeight:
 
     @property
     def n_groups(self) -> int:
+        if self.bits == 6:  # sc holds packed int8 lane scales and their super-block scales
+            return 2 * self.n_blocks
         return int(self.sc.shape[1])
 
     @property
@@ -116,7 +128,106 @@ def runs_on_integer_kernels(w: QuantizedTensor) -> bool:
     return blocks_align_with_groups(w) or has_lane_scales(w)
 
 
+#: Lane scales per float32 super-block scale of a 6-bit weight (256 columns, ``Q6_K``).
+SUPER_LANES = 16
+#: Bytes per 64-column chunk of a 6-bit row: 32 nibble bytes, four u32 bit planes.
+CHUNK_BYTES_Q6 = 48
+
+
+def six_bit_codes(w: QuantizedTensor) -> np.ndarray | None:
+    """The unsigned 6-bit codes ``u = q + 32`` uint8 ``[out, in_padded]`` (0..63) of a
+    lane-scaled weight whose codes lie in -32..31 (llama.cpp ``Q6_K``); else None."""
+    if not has_lane_scales(w) or w.qweight.size == 0:
+        return None
+    q = w.qweight
+    if int(q.min()) < -32 or int(q.max()) > 31:
+        return None
+    return (q.astype(np.int16) + 32).astype(np.uint8)
+
+
+def factor_lane_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Lane scales float32 ``[out, n]`` as int8 ``q`` ``[out, 16 nsb]`` (zero past ``n``)
+    times float32 ``d`` ``[out, nsb]``, one per :data:`SUPER_LANES` lanes, such that
+    ``float32(q) * d`` equals each scale bit for bit (signed zeros too); None if some
+    super-block has no such factoring (or a non-finite scale). Tries ``|q|`` of the largest
+    scale from 128 down, with ``d`` of either sign."""
+    s32 = np.asarray(scales, np.float32)
+    out, n = s32.shape
+    if not np.isfinite(s32).all():
+        return None
+    nsb = -(-n // SUPER_LANES)
+    s = np.zeros((out, nsb * SUPER_LANES), np.float32)
+    s[:, :n] = s32
+    s = s.reshape(out * nsb, SUPER_LANES)
+    amax = np.abs(s).max(axis=1)
+    d = np.zeros(out * nsb, np.float32)
+    q = np.zeros((out * nsb, SUPER_LANES), np.int8)
+    zero = amax == 0  # an all-zero super-block: d +0, q +-1 (keeps each zero's sign)
+    q[zero] = np.where(np.signbit(s[zero]), -1, 1)
+    todo = np.flatnonzero(~zero)
+    for qm in range(128, 0, -1):
+        for sign in (1, -1):  # q = -128 needs d of the other sign than the largest scale
+            if todo.size == 0:
+                break
+            cand = (np.float32(sign) * amax[todo] / np.float32(qm)).astype(np.float32)
+            st = s[todo]
+            qf = np.rint(st / cand[:, None])
+            qc = np.clip(qf, -128, 127).astype(np.float32)
+            prod = (qc + np.float32(0)) * cand[:, None]  # the kernels' float32(q) * d
+            ok = ((qf == qc) & (prod.view(np.uint32) == st.view(np.uint32))).all(axis=1)
+            d[todo[ok]] = cand[ok]
+            q[todo[ok]] = qc[ok].astype(np.int8)
+            todo = todo[~ok]
+    if todo.size:
+        return None
+    q, d = q.reshape(out, nsb * SUPER_LANES), d.reshape(out, nsb)
+    return q, d
+
+
+def lane6_scale_offset(nb: int) -> int:
+    """Byte offset of the float32 super-block scales in a 6-bit weight's ``sc`` row (after
+    its ``2 nb`` int8 lane scales, padded to a multiple of 4)."""
+    return (2 * nb + 3) // 4 * 4
+
+
+def _repack_q6(w: QuantizedTensor, u: np.ndarray, q: np.ndarray, d: np.ndarray) -> CpuQuantWeight:
+    out, kp = w.out_features, w.in_padded
+    kpad = -(-kp // (2 * BLOCK)) * 2 * BLOCK
+    nb = kpad // BLOCK
+    full = np.zeros((out, kpad), np.uint8)
+    full[:, :kp] = u
+    c3 = full.reshape(out, nb // 2, 2, BLOCK)
+    wp = np.empty((out, nb // 2, CHUNK_BYTES_Q6), np.uint8)
+    wp[:, :, :BLOCK] = (c3[:, :, 0, :] & 15) | ((c3[:, :, 1, :] & 15) << 4)
+    hi = (c3 >> 4).reshape(out, nb // 2, 2, 4, 8)  # [.., block, g, k]: code 8 g + k's bits 4, 5
+    crumbs = np.zeros((out, nb // 2, 2, 8), np.uint8)
+    for g in range(4):
+        crumbs |= hi[:, :, :, g, :] << (2 * g)
+    wp[:, :, BLOCK:] = crumbs.reshape(out, nb // 2, 16)
+    nsb = -(-nb // (SUPER_LANES // 2))
+    at = lane6_scale_offset(nb)
+    sc = np.zeros((out, at + 4 * nsb), np.uint8)
+    lanes = min(q.shape[1], 2 * nb)
+    sc[:, :lanes] = q[:, :lanes].view(np.uint8)
+    dd = np.zeros((out, nsb), np.float32)
+    dd[:, :min(nsb, d.shape[1])] = d[:, :nsb]
+    sc[:, at:] = dd.view(np.uint8).reshape(out, 4 * nsb)
+    bmap = (2 * np.arange(nb)).astype(np.int32)
+    return CpuQuantWeight(6, out, w.in_features, LANE_GROUP, nb, wp.reshape(out, nb * 24), sc,
+                          np.zeros((out, 0), np.float32), bmap, lane_scales=True)
+
+
 def _repack_lanes(w: QuantizedTensor) -> CpuQuantWeight:
+    u = six_bit_codes(w)
+    f = None if u is None else factor_lane_scales(w.scales)
+    if f is not None:
+        return _repack_q6(w, u, *f)
+    return repack_lanes8(w)
+
+
+def repack_lanes8(w: QuantizedTensor) -> CpuQuantWeight:
+    """A lane-scaled weight as 8-bit codes and float32 lane scales (any codes and scales;
+    :func:`repack` takes the 6-bit form where it applies)."""
     out, kp = w.out_features, w.in_padded
     kpad = -(-kp // BLOCK) * BLOCK
     nb = kpad // BLOCK
