@@ -128,7 +128,7 @@ def test_cpu_linear_on_relaid_weights_matches_reference(qname, out, nblk, t):
     x = rng.standard_normal((t, w.in_features)).astype(np.float32)
     bias = rng.standard_normal(out).astype(np.float32)
     h = CPU.upload_weight(w)
-    bits = 5 if qname in ("Q5_0", "Q5_1", "Q5_K") else w.bits  # Q5_*: 5-bit codes (repack)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(qname, w.bits)  # repack's codes
     assert isinstance(h, CpuQuantWeight) and h.bits == bits  # the integer kernels, no float copy
     ref = REF.linear(x, REF.upload_weight(w), bias)
     assert bits_equal(REF.upload_weight(w), gguf.quants.dequantize(raw, QT[qname]))
