@@ -148,8 +148,8 @@ def _jit_tokens(kernel):
     from numba import njit
 
     @njit
-    def call(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-        kernel(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+    def call(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+        kernel(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
     return call
 
 
@@ -175,8 +175,6 @@ def test_token_kernels_equal_one_token_kernels(bits, n_in, group, sym):
     xg = np.zeros((t_n, h.n_groups), np.float32)
     for t in range(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], h.bmap)
-    xgt = np.zeros((h.n_groups, t_n + 4), np.float32)
-    xgt[:, :t_n] = xg.T
     pairs = [(_simd.PORTABLE_ROWS, _simd_tokens.PORTABLE_TOKENS)]
     if _simd.HAVE_AVX2:  # the IR intrinsics are callable from jitted code only
         pairs.append(({k: _jit_rows(v) for k, v in _simd.SIMD_ROWS.items()},
@@ -192,7 +190,7 @@ def test_token_kernels_equal_one_token_kernels(bits, n_in, group, sym):
                 y = np.full((t_n, out), np.nan, np.float32)
                 for t0 in range(0, t_n - n + 1, n):  # rows 2..out-1 in one call, 0..1 in another
                     for r0, nr in ((0, 2), (2, out - 2)):
-                        toks[(n, bits)](y, t0, r0, nr, h.wp, h.sc, h.sz, xgt, bias, xq, dx,
+                        toks[(n, bits)](y, t0, r0, nr, h.wp, h.sc, h.sz, xg, bias, xq, dx,
                                         h.bmap, h.n_blocks)
                 done = (t_n // n) * n
                 assert np.array_equal(y[:done], want[:done]), (n, rows is pairs[0][0])

@@ -326,6 +326,7 @@ class CpuBackend(Backend):
                 w.__class__ is not CpuQuantWeight or w.bits != w0.bits
                 or w.in_features != w0.in_features or w.n_blocks != w0.n_blocks
                 or w.group_size != w0.group_size or w.sc.shape[1] != w0.sc.shape[1]
+                or w.sc.dtype != w0.sc.dtype or w.sz.dtype != w0.sz.dtype
                 or w.lane_scales != w0.lane_scales or w.sz.shape[1] != w0.sz.shape[1]
                 or w.zero_scale != w0.zero_scale
                 or not np.array_equal(w.bmap, w0.bmap) for w in ws):

@@ -30,7 +30,11 @@ Layouts consumed (built by :mod:`.repack`):
 
 Activations: ``xq`` int16 ``[nb * 32]`` (block ``b`` at ``32 b``, column ``j`` at lane
 ``ACT_ORDER[j]``) and ``dx`` float32 ``[nb]`` (per-block scale).
-Scales: ``sc`` float32 ``[rows, ng]``; ``bmap`` int32 ``[nb]`` maps block -> group.
+Scales: ``sc`` float32 ``[rows, ng]``, or (``ng == nb``) uint8 factored: int8 ``q`` per
+block, then from byte ``A = (nb + 3) & ~3`` a float32 ``d`` per 8 blocks, the scale
+``float32(q) * d`` (exact, :func:`.repack.factor_group_terms`; the kernels are built for
+either from the array's dtype, :func:`group_scale`); ``bmap`` int32 ``[nb]`` maps block
+-> group.
 
 The kernels compute, for each of R rows starting at ``r0``:
 ``y[r] = sum_g sc[r, g] * sum_{b: bmap[b] = g} dx[b] * sum_{k in b} code[r, k] * q[k]``
@@ -48,7 +52,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 try:
     _FEATURES = dict(llb.get_host_cpu_features())
@@ -108,6 +112,118 @@ def _hsum8(builder, v):
 
 def _gep(builder, ptr, idx):
     return builder.gep(ptr, [idx])
+
+
+def group_scale(builder, row, g, nbv, factored):
+    """The float32 scale of group ``g`` (i64) of a scale row: ``row[g]`` (``row`` float*),
+    or from a factored row (``row`` i8*, ``nbv`` blocks): ``float32(q[g]) * d[g >> 3]``."""
+    if not factored:
+        return builder.load(_gep(builder, row, g))
+    i64 = ir.IntType(64)
+    q = builder.load(_gep(builder, row, g))
+    at = builder.add(builder.and_(builder.add(nbv, ir.Constant(i64, 3)), ir.Constant(i64, -4)),
+                     builder.mul(builder.ashr(g, ir.Constant(i64, 3)), ir.Constant(i64, 4)))
+    d = builder.load(builder.bitcast(_gep(builder, row, at), _F32.as_pointer()), align=1)
+    return builder.fmul(builder.sitofp(q, _F32), d, flags=STRICT)
+
+
+def group_value(a, r, g, nb):
+    """``a[r, g]`` of a float32 scale (or zero-point term) array, or ``float32(q) * d`` of
+    a factored uint8 one (module docstring): the same float32. Numba-only (overloaded)."""
+    raise NotImplementedError("call group_value from Numba-compiled code")
+
+
+@intrinsic
+def mul_strict(typingctx, a, b):
+    """float32 ``a * b`` that Numba's fastmath pass leaves unflagged-for-reassociation
+    (:data:`STRICT`): a caller compiled with fastmath cannot fold it into other products."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fmul(args[0], args[1], flags=STRICT)
+
+    return sig, codegen
+
+
+@overload(group_value, inline="always")
+def _group_value(a, r, g, nb):
+    if isinstance(a, types.Array) and a.dtype == types.uint8:
+        def factored(a, r, g, nb):
+            u = np.int32(a[r, g])
+            v = u - ((u >> 7) << 8)  # the byte as int8
+            at = (nb + 3) // 4 * 4 + 4 * (g >> 3)
+            d = (np.int32(a[r, at]) | (np.int32(a[r, at + 1]) << 8)
+                 | (np.int32(a[r, at + 2]) << 16) | (np.int32(a[r, at + 3]) << 24))
+            return mul_strict(np.float32(v), i32_as_f32(d))  # little-endian float32 bytes
+        return factored
+    return lambda a, r, g, nb: a[r, g]
+
+
+def zero_term_ir(builder, szrow, xgp, ngv, factored):
+    """float ``sum_g sz[g] * xg[g]`` over ``ngv`` groups of one zero-point row (``szrow``
+    float*, or i8* of a factored row, :func:`group_scale`; ``xgp`` float*): group ``g`` in
+    lane ``g % 8`` of an <8 x float>, in group order, then the :func:`_hsum8` tree; every
+    operation :data:`STRICT` (no contraction), so every caller gets the same float. Generic
+    vector IR: any target."""
+    i64 = ir.IntType(64)
+    acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F32, [0.0] * 8))
+    n8 = builder.lshr(ngv, ir.Constant(i64, 3))
+    v8i8 = ir.VectorType(_I8, 8)
+
+    def sz8(g):  # <8 x float> sz[g .. g + 8]
+        if not factored:
+            return builder.load(builder.bitcast(_gep(builder, szrow, g), _V8F32.as_pointer()),
+                                align=4)
+        q = builder.load(builder.bitcast(_gep(builder, szrow, g), v8i8.as_pointer()), align=1)
+        at = builder.add(builder.and_(builder.add(ngv, ir.Constant(i64, 3)),
+                                      ir.Constant(i64, -4)),
+                         builder.mul(builder.ashr(g, ir.Constant(i64, 3)), ir.Constant(i64, 4)))
+        d = builder.load(builder.bitcast(_gep(builder, szrow, at), _F32.as_pointer()), align=1)
+        return builder.fmul(builder.sitofp(q, _V8F32), _splat_f32(builder, d), flags=STRICT)
+
+    with cgutils.for_range(builder, n8) as loop:
+        g = builder.mul(loop.index, ir.Constant(i64, 8))
+        xv = builder.load(builder.bitcast(_gep(builder, xgp, g), _V8F32.as_pointer()), align=4)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(sz8(g), xv, flags=STRICT),
+                                   flags=STRICT), acc)
+    g0 = builder.mul(n8, ir.Constant(i64, 8))
+    rem = builder.sub(ngv, g0)
+    with builder.if_then(builder.icmp_signed(">", rem, ir.Constant(i64, 0)), likely=False):
+        tail = cgutils.alloca_once_value(builder, ir.Constant(_V8F32, [0.0] * 8))
+        with cgutils.for_range(builder, rem) as loop:
+            g = builder.add(g0, loop.index)
+            t = builder.fmul(group_scale(builder, szrow, g, ngv, factored),
+                             builder.load(_gep(builder, xgp, g)), flags=STRICT)
+            builder.store(builder.insert_element(builder.load(tail), t,
+                                                 builder.trunc(loop.index, _I32)), tail)
+        builder.store(builder.fadd(builder.load(acc), builder.load(tail), flags=STRICT), acc)
+    return _hsum8(builder, builder.load(acc))
+
+
+@intrinsic
+def zero_term(typingctx, sz, r, xg):
+    """float32 ``sum_g sz[r, g] * xg[g]`` (:func:`zero_term_ir`) of a float32 ``sz``
+    ``[rows, ng]`` (``ng`` may be 0) or a factored uint8 one (``ng`` = ``xg.shape[0]``);
+    ``xg`` float32 [ng] C-contiguous."""
+    if not (isinstance(xg, types.Array) and xg.ndim == 1 and xg.layout == "C"):
+        return None
+    sig = types.float32(sz, r, xg)
+
+    def codegen(context, builder, signature, args):
+        ty_sz, _, ty_xg = signature.args
+        a_sz = context.make_array(ty_sz)(context, builder, args[0])
+        a_xg = context.make_array(ty_xg)(context, builder, args[2])
+        factored = ty_sz.dtype == types.uint8
+        ngv = (cgutils.unpack_tuple(builder, a_xg.shape, 1)[0] if factored
+               else cgutils.unpack_tuple(builder, a_sz.shape, 2)[1])
+        stride = cgutils.unpack_tuple(builder, a_sz.strides, 2)[0]
+        row = builder.gep(builder.bitcast(a_sz.data, _I8.as_pointer()),
+                          [builder.mul(args[1], stride)])
+        if not factored:
+            row = builder.bitcast(row, _F32.as_pointer())
+        return zero_term_ir(builder, row, a_xg.data, ngv, factored)
+
+    return sig, codegen
 
 
 def _fifth_bits(builder, row, at):
@@ -197,8 +313,10 @@ def _make_rows_kernel(n_rows: int, bits: int):
             cur_g = cgutils.alloca_once(builder, i64)  # group of the blocks in gaccs
             builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
 
+            factored = ty_sc.dtype == types.uint8
+
             def flush_row(r, g):  # acc_r += gacc_r * sc[r, g]; gacc_r = 0
-                f = _splat_f32(builder, builder.load(_gep(builder, srows[r], g)))
+                f = _splat_f32(builder, group_scale(builder, srows[r], g, nbv, factored))
                 builder.store(builder.call(fmuladd, [builder.load(gaccs[r]), f,
                                                      builder.load(accs[r])]), accs[r])
                 builder.store(zero8, gaccs[r])
@@ -291,7 +409,7 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
         gacc = np.float32(0.0)  # this group's sum of dx_b * idot_b (scaled once per group)
         for b in range(nb):
             if b > 0 and bmap[b] != bmap[b - 1]:
-                acc += gacc * sc[r, bmap[b - 1]]
+                acc += gacc * group_value(sc, r, bmap[b - 1], nb)
                 gacc = np.float32(0.0)
             s = np.int32(0)
             for j in range(32):
@@ -309,7 +427,7 @@ def _rows_portable(y, r0, nr, bits, wp, sc, xq, dx, bmap, nb):  # same math, pla
                     code = np.int32(wp[r, b * 32 + j])
                 s += code * q
             gacc += dx[b] * np.float32(s)
-        y[r] = acc + gacc * sc[r, bmap[nb - 1]]
+        y[r] = acc + gacc * group_value(sc, r, bmap[nb - 1], nb)
 
 
 @njit(cache=True)

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
                     _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable,
-                    _splat_f32, chunk_codes)
+                    _splat_f32, chunk_codes, group_scale, zero_term, zero_term_ir)
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
 TOKEN_BLOCK = 4
@@ -69,13 +69,14 @@ def _hsum4(builder, vs):
 
 
 def _make_tokens_kernel(n_tok: int, bits: int):
-    """Intrinsic ``k(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)`` for
-    ``n_tok`` tokens (``sz`` float32 [rows, ng], ``xgt`` float32 [ng, >= t0 + 4] the
-    activation group sums transposed, ``bias`` float32 [rows] or [0])."""
+    """Intrinsic ``k(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)`` for
+    ``n_tok`` tokens (``sz`` float32 [rows, ng] or factored uint8, ``xg`` float32 [T, ng]
+    C-contiguous the activation group sums times the weight's zero scale, ``bias``
+    float32 [rows] or [0])."""
 
     @intrinsic
-    def kernel(typingctx, y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-        sig = types.void(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+    def kernel(typingctx, y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+        sig = types.void(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
         def codegen(context, builder, signature, args):
             (ty_y, _, _, _, ty_wp, ty_sc, ty_sz, ty_xg, ty_b, ty_xq, ty_dx, ty_bm,
@@ -91,11 +92,11 @@ def _make_tokens_kernel(n_tok: int, bits: int):
             a_bm = context.make_array(ty_bm)(context, builder, args[11])
             i64 = ir.IntType(64)
             t0v, r0v, nrv, nbv = args[1], args[2], args[3], args[12]
-            ngv = cgutils.unpack_tuple(builder, a_sz.shape, 2)[1]
+            szw = cgutils.unpack_tuple(builder, a_sz.shape, 2)[1]  # elements per sz row
+            sc_fac, sz_fac = ty_sc.dtype == types.uint8, ty_sz.dtype == types.uint8
+            ngv = nbv if sz_fac else szw  # a factored term has one group per block
             has_bias = builder.icmp_signed(
                 ">", cgutils.unpack_tuple(builder, a_b.shape, 1)[0], ir.Constant(i64, 0))
-            xg_t0 = _row_ptr(builder, a_xg, ty_xg, ir.Constant(i64, 0), _F32)
-            xg_ld = cgutils.unpack_tuple(builder, a_xg.strides, 2)[0]
             wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
             srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
             mod = builder.module
@@ -110,6 +111,7 @@ def _make_tokens_kernel(n_tok: int, bits: int):
             xrows = [_row_ptr(builder, a_xq, ty_xq, t, _I16) for t in toks]
             drows = [_row_ptr(builder, a_dx, ty_dx, t, _F32) for t in toks]
             yrows = [_row_ptr(builder, a_y, ty_y, t, _F32) for t in toks]
+            xgrows = [_row_ptr(builder, a_xg, ty_xg, t, _F32) for t in toks]
             accs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
             gaccs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
             cur_g = cgutils.alloca_once(builder, i64)
@@ -130,7 +132,7 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                 builder.store(group_of(ir.Constant(i64, 0)), cur_g)
 
                 def flush_all(g):  # acc_t += gacc_t * sc[row, g]; gacc_t = 0
-                    f = _splat_f32(builder, builder.load(_gep(builder, sr, g)))
+                    f = _splat_f32(builder, group_scale(builder, sr, g, nbv, sc_fac))
                     for t in range(n_tok):
                         builder.store(builder.call(fmuladd, [builder.load(gaccs[t]), f,
                                                              builder.load(accs[t])]), accs[t])
@@ -183,19 +185,14 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                         dot_all(widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), b)
                 flush_all(builder.load(cur_g))
                 tot = _hsum4(builder, [builder.load(a) for a in accs])
-                # zero-point term per token, each lane in _finish_rows' strict order
-                zp = cgutils.alloca_once_value(builder, ir.Constant(_V4F32, [0.0] * 4))
-                szr = _gep(builder, a_sz.data, builder.mul(row, ngv))
-                with cgutils.for_range(builder, ngv) as gl:
-                    g = gl.index
-                    xp = builder.gep(builder.bitcast(xg_t0, _I8.as_pointer()),
-                                     [builder.mul(g, xg_ld)])
-                    xv = builder.load(builder.bitcast(_gep(builder, builder.bitcast(
-                        xp, _F32.as_pointer()), t0v), _V4F32.as_pointer()), align=4)
-                    term = builder.fmul(_splat4(builder, builder.load(_gep(builder, szr, g))), xv,
-                                        flags=STRICT)
-                    builder.store(builder.fadd(builder.load(zp), term, flags=STRICT), zp)
-                v = cgutils.alloca_once_value(builder, builder.fsub(tot, builder.load(zp), flags=STRICT))
+                # zero-point term per token: _finish_rows' (zero_term_ir) sums
+                szr = _gep(builder, a_sz.data, builder.mul(row, szw))
+                zp = ir.Constant(_V4F32, [0.0] * 4)
+                for t in range(n_tok):
+                    zp = builder.insert_element(zp, zero_term_ir(builder, szr, xgrows[t], ngv,
+                                                                 sz_fac), ir.Constant(_I32, t))
+                zp_ = cgutils.alloca_once_value(builder, zp)
+                v = cgutils.alloca_once_value(builder, builder.fsub(tot, builder.load(zp_), flags=STRICT))
                 with builder.if_then(has_bias):
                     bv = _splat4(builder, builder.load(_gep(builder, a_b.data, row)))
                     builder.store(builder.fadd(builder.load(v), bv, flags=STRICT), v)
@@ -211,77 +208,74 @@ def _make_tokens_kernel(n_tok: int, bits: int):
 
 
 @njit(cache=True, fastmath=False)  # strict: the zero-point sums of gemv._finish_rows
-def _tok_portable(y, t0, n_tok, r0, nr, bits, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
+def _tok_portable(y, t0, n_tok, r0, nr, bits, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
     for t in range(t0, t0 + n_tok):  # per token, the decode kernels' portable row loop
         _rows_portable(y[t], r0, nr, bits, wp, sc, xq[t], dx[t], bmap, nb)
         for r in range(r0, r0 + nr):
-            c = np.float32(0.0)
-            for g in range(sz.shape[1]):
-                c += sz[r, g] * xgt[g, t]
-            v = y[t, r] - c
+            v = y[t, r] - zero_term(sz, r, xg[t])
             if bias.shape[0] > 0:
                 v += bias[r]
             y[t, r] = v
 
 
 @njit(cache=True)
-def _p_q4_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 1, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q4_tok1(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 4, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q4_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 2, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q4_tok2(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 4, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q4_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 3, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q4_tok3(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 4, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q4_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 4, r0, nr, 4, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q4_tok4(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 4, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q5_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 1, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q5_tok1(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 5, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q5_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 2, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q5_tok2(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 5, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q5_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 3, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q5_tok3(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 5, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q5_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 4, r0, nr, 5, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q5_tok4(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 5, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q8_tok1(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 1, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q8_tok1(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 1, r0, nr, 8, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q8_tok2(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 2, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q8_tok2(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 2, r0, nr, 8, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q8_tok3(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 3, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q8_tok3(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 3, r0, nr, 8, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(cache=True)
-def _p_q8_tok4(y, t0, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):
-    _tok_portable(y, t0, 4, r0, nr, 8, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+def _p_q8_tok4(y, t0, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
+    _tok_portable(y, t0, 4, r0, nr, 8, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 #: ``{(n_tok, bits): kernel}`` for n_tok in 1..TOKEN_BLOCK: the AVX2 IR intrinsics where

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._simd import group_value
 from .attention import exp_f32
 
 #: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).
@@ -195,8 +196,8 @@ def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale
         r = rows[i]
         for b in range((k + 31) // 32):
             g = bmap[b]
-            s = sc[r, g]
-            z = sz[r, g]
+            s = group_value(sc, r, g, bmap.shape[0])
+            z = group_value(sz, r, g, bmap.shape[0])
             base = (b // 2) * 32
             sh = np.uint8(4 * (b % 2))
             n = min(32, k - b * 32)
@@ -225,8 +226,8 @@ def _dequant_q5(out, wp, sc, sz, bmap, rows, scale, zmul):
         r = rows[i]
         for b in range((k + 31) // 32):
             g = bmap[b]
-            s = sc[r, g]
-            z = sz[r, g] * zmul  # exact: zmul is 1 or 16
+            s = group_value(sc, r, g, bmap.shape[0])
+            z = group_value(sz, r, g, bmap.shape[0]) * zmul  # exact: zmul is 1 or 16
             c0 = (b // 2) * 40  # .repack.CHUNK_BYTES_Q5
             sh = np.uint8(4 * (b % 2))
             h0 = c0 + 32 + 4 * (b % 2)

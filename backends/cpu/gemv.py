@@ -11,7 +11,8 @@ Per call (one Numba dispatch, one parallel region):
    exact in int32 (``pmaddwd`` on int16 codes and activations), registers accumulating
    across all groups;
 3. subtract the zero-point term ``sum_g sz[r, g] * X[g]`` and add the bias
-   (:func:`_finish_rows`, strict float32).
+   (:func:`_finish_rows`, strict float32; the term summed in 8 lanes by group mod 8 and
+   one tree, :func:`._simd.zero_term`, as the prefill kernels sum it).
 
 Error vs. the float reference: the only approximation is the activation rounding, at
 most half a step, ``max|x_b| / 32512`` per element: 128x finer than int8 activations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4
+from ._simd import (ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
+                    zero_term)
 from .repack import FIVE_BIT_ZERO
 
 BLOCK = 32
@@ -205,12 +207,10 @@ def gemv_q8_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W8[out, in] @ x
 
 @njit(cache=True, fastmath=False)  # strict order, not inlined: the same sums in every caller
 def _finish_rows(y, r0, nr, sz, xg, bias):  # y[r] -= sz[r, :] . xg (+ bias[r])
-    ng = sz.shape[1]
     for r in range(r0, r0 + nr):
-        c = np.float32(0.0)
-        for g in range(ng):
-            c += sz[r, g] * xg[g]
-        v = y[r] - c
+        v = y[r]
+        if sz.shape[1] > 0:  # no zero points (Q8_0, Q6_K): nothing to subtract
+            v -= zero_term(sz, r, xg)
         if bias.shape[0] > 0:
             v += bias[r]
         y[r] = v

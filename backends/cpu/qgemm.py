@@ -33,44 +33,44 @@ TILE_TOKENS = 32
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb):  # n (1..4) tokens x nr rows
+def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):  # n (1..4) tokens x nr rows
     if bits == 5:
         if n == 4:
-            q5_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q5_tok4(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 3:
-            q5_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q5_tok3(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 2:
-            q5_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q5_tok2(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         else:
-            q5_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q5_tok1(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
     elif bits == 4:
         if n == 4:
-            q4_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q4_tok4(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 3:
-            q4_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q4_tok3(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 2:
-            q4_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q4_tok2(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         else:
-            q4_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q4_tok1(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
     else:
         if n == 4:
-            q8_tok4(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q8_tok4(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 3:
-            q8_tok3(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q8_tok3(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         elif n == 2:
-            q8_tok2(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q8_tok2(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
         else:
-            q8_tok1(y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            q8_tok1(y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, xgt, bits, zmul):
+def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, bits, zmul):
     t_n = x.shape[0]
     for t in prange(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
-    for g in range(xg.shape[1]):
-        for t in range(t_n):
-            xgt[g, t] = xg[t, g] * zmul  # zero_scale: 1 or a power of two (exact)
+        if zmul != 1.0:
+            for g in range(xg.shape[1]):
+                xg[t, g] *= zmul  # zero_scale: a power of two (exact)
     out = y.shape[1]
     nb = dx.shape[1]
     n_tiles = -(-out // TILE_ROWS)
@@ -84,7 +84,7 @@ def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, xgt, bits, zmul):
         t = c * TILE_TOKENS
         while t < t1:
             n = min(TOKEN_BLOCK, t1 - t)
-            _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xgt, bias, xq, dx, bmap, nb)
+            _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb)
             t += n
 
 
@@ -108,7 +108,6 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
-    xgt = np.zeros((w.n_groups, t + TOKEN_BLOCK), np.float32)  # 4-lane loads past t: zeros
     _gemm_int(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
-              xq, dx, xg, xgt, w.bits, np.float32(w.zero_scale))
+              xq, dx, xg, w.bits, np.float32(w.zero_scale))
     return y

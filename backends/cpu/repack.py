@@ -35,6 +35,13 @@ codes ``k + 8 g`` at bits ``2 g``, ``2 g + 1`` (g = 0..3), codes ``u - 32``; ``s
 padded to ``A``, a multiple of 4), then the float32 super-block scales (one per 8 blocks);
 the kernels multiply the two (exact: the stored ``d * sc``): 6.625 bits per weight.
 
+4- and 5-bit weights in groups of 32 whose scales (or zero-point terms) factor exactly as
+an int8 per block times a float32 per 8 blocks (llama.cpp ``Q4_K`` / ``Q5_K``: ``d * sc``
+and ``dmin * m``, :func:`factor_group_terms`) hold them factored: uint8 ``[out, A + 4 nsb]``
+(:func:`pack_factored`), 1.5 bytes per 32 columns instead of 4; the kernels form
+``float32(q) * d``, the stored scale bit for bit. ``Q4_K`` then runs at 4.75 bits per
+weight and ``Q5_K`` at 5.75.
+
 This is a copy made once at upload (never on disk): ~4.5 bits/weight for INT4 g128.
 8-bit codes whose width is already a multiple of 32 need no change: :func:`repack_q8_view`
 wraps given codes (e.g. a copy-on-write file view of an ``.eif`` embedding) without a copy.
@@ -66,9 +73,11 @@ class CpuQuantWeight:
         wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit), uint8
             ``[out, nb * 24]`` (6-bit) or int8 ``[out, nb * 32]`` (8-bit).
         sc: float32 ``[out, ng]`` group scales; 6-bit: uint8, the packed lane scales
-            (module docstring, :func:`lane6_scale_offset`).
+            (module docstring, :func:`lane6_scale_offset`); 4- / 5-bit with ``ng == nb``:
+            float32, or uint8 factored (:func:`factor_group_terms`).
         sz: float32 ``[out, ng]`` scale times zero point (``s * z``), or ``[out, 0]``
-            where there is no zero-point term (symmetric 8-bit, lane scales).
+            where there is no zero-point term (symmetric 8-bit, lane scales); factored
+            as ``sc`` may be (each independently).
         bmap: int32 ``[nb]`` block -> group index.
         lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
             only): the kernels of :mod:`.qlane` run it.
@@ -99,6 +108,8 @@ class CpuQuantWeight:
     def n_groups(self) -> int:
         if self.bits == 6:  # sc holds packed int8 lane scales and their super-block scales
             return 2 * self.n_blocks
+        if self.sc.dtype == np.uint8:  # factored: one scale per block
+            return self.n_blocks
         return int(self.sc.shape[1])
 
     @property
@@ -145,9 +156,10 @@ def six_bit_codes(w: QuantizedTensor) -> np.ndarray | None:
     return (q.astype(np.int16) + 32).astype(np.uint8)
 
 
-def factor_lane_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Lane scales float32 ``[out, n]`` as int8 ``q`` ``[out, 16 nsb]`` (zero past ``n``)
-    times float32 ``d`` ``[out, nsb]``, one per :data:`SUPER_LANES` lanes, such that
+def factor_scales(scales: np.ndarray, per: int = SUPER_LANES
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Scales float32 ``[out, n]`` as int8 ``q`` ``[out, per * nsb]`` (zero past ``n``)
+    times float32 ``d`` ``[out, nsb]``, one per ``per`` scales, such that
     ``float32(q) * d`` equals each scale bit for bit (signed zeros too); None if some
     super-block has no such factoring (or a non-finite scale). Tries ``|q|`` of the largest
     scale from 128 down, with ``d`` of either sign."""
@@ -155,13 +167,13 @@ def factor_lane_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | No
     out, n = s32.shape
     if not np.isfinite(s32).all():
         return None
-    nsb = -(-n // SUPER_LANES)
-    s = np.zeros((out, nsb * SUPER_LANES), np.float32)
+    nsb = -(-n // per)
+    s = np.zeros((out, nsb * per), np.float32)
     s[:, :n] = s32
-    s = s.reshape(out * nsb, SUPER_LANES)
+    s = s.reshape(out * nsb, per)
     amax = np.abs(s).max(axis=1)
     d = np.zeros(out * nsb, np.float32)
-    q = np.zeros((out * nsb, SUPER_LANES), np.int8)
+    q = np.zeros((out * nsb, per), np.int8)
     zero = amax == 0  # an all-zero super-block: d +0, q +-1 (keeps each zero's sign)
     q[zero] = np.where(np.signbit(s[zero]), -1, 1)
     todo = np.flatnonzero(~zero)
@@ -180,14 +192,60 @@ def factor_lane_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | No
             todo = todo[~ok]
     if todo.size:
         return None
-    q, d = q.reshape(out, nsb * SUPER_LANES), d.reshape(out, nsb)
-    return q, d
+    return q.reshape(out, nsb * per), d.reshape(out, nsb)
+
+
+def factor_lane_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`factor_scales` per :data:`SUPER_LANES` lane scales (``Q6_K``'s 256 columns)."""
+    return factor_scales(scales, SUPER_LANES)
+
+
+def factored_offset(n: int) -> int:
+    """Byte offset of the float32 super-scales in a factored scale row of ``n`` int8
+    scales (``n`` padded to a multiple of 4)."""
+    return (n + 3) // 4 * 4
 
 
 def lane6_scale_offset(nb: int) -> int:
     """Byte offset of the float32 super-block scales in a 6-bit weight's ``sc`` row (after
     its ``2 nb`` int8 lane scales, padded to a multiple of 4)."""
-    return (2 * nb + 3) // 4 * 4
+    return factored_offset(2 * nb)
+
+
+def pack_factored(q: np.ndarray, d: np.ndarray, n: int) -> np.ndarray:
+    """uint8 ``[out, A + 4 nsb]``: ``n`` int8 scales ``q`` (zero-padded to ``A`` =
+    :func:`factored_offset`), then the float32 ``d`` ``[out, nsb]`` (their bytes)."""
+    out, nsb = d.shape
+    at = factored_offset(n)
+    sc = np.zeros((out, at + 4 * nsb), np.uint8)
+    k = min(q.shape[1], n)
+    sc[:, :k] = q[:, :k].view(np.uint8)
+    sc[:, at:] = np.ascontiguousarray(d, np.float32).view(np.uint8).reshape(out, 4 * nsb)
+    return sc
+
+
+#: Groups per float32 super-scale of a factored 4- / 5-bit weight (256 columns: ``Q4_K``,
+#: ``Q5_K``).
+SUPER_GROUPS = 8
+#: Rows :func:`factor_group_terms` tries first (independent fp16 scales fail at once).
+PROBE_ROWS = 8
+
+
+def factor_group_terms(a: np.ndarray, nb: int) -> np.ndarray:
+    """A 4- / 5-bit weight's float32 ``[out, nb]`` scales (or zero-point terms), one per
+    32-column block, as a factored uint8 row (:func:`pack_factored`: int8 per block times
+    a float32 per :data:`SUPER_GROUPS` blocks) if they factor exactly, else ``a`` itself.
+    The kernels read either (:func:`._simd.group_value`) with the same float results."""
+    if a.shape[1] != nb or nb == 0 or a.shape[0] == 0:
+        return a
+    if factor_scales(a[:PROBE_ROWS], SUPER_GROUPS) is None:  # cheap no for fp16 scales
+        return a
+    f = factor_scales(a, SUPER_GROUPS)
+    if f is None:
+        return a
+    q, d = f
+    nsb = -(-nb // SUPER_GROUPS)
+    return pack_factored(q, d[:, :nsb], nb)
 
 
 def _repack_q6(w: QuantizedTensor, u: np.ndarray, q: np.ndarray, d: np.ndarray) -> CpuQuantWeight:
@@ -205,13 +263,9 @@ def _repack_q6(w: QuantizedTensor, u: np.ndarray, q: np.ndarray, d: np.ndarray) 
         crumbs |= hi[:, :, :, g, :] << (2 * g)
     wp[:, :, BLOCK:] = crumbs.reshape(out, nb // 2, 16)
     nsb = -(-nb // (SUPER_LANES // 2))
-    at = lane6_scale_offset(nb)
-    sc = np.zeros((out, at + 4 * nsb), np.uint8)
-    lanes = min(q.shape[1], 2 * nb)
-    sc[:, :lanes] = q[:, :lanes].view(np.uint8)
     dd = np.zeros((out, nsb), np.float32)
     dd[:, :min(nsb, d.shape[1])] = d[:, :nsb]
-    sc[:, at:] = dd.view(np.uint8).reshape(out, 4 * nsb)
+    sc = pack_factored(q, dd, 2 * nb)
     bmap = (2 * np.arange(nb)).astype(np.int32)
     return CpuQuantWeight(6, out, w.in_features, LANE_GROUP, nb, wp.reshape(out, nb * 24), sc,
                           np.zeros((out, 0), np.float32), bmap, lane_scales=True)
@@ -272,10 +326,10 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
     wp[:, :, :BLOCK] = (c3[:, :, 0, :] & 15) | ((c3[:, :, 1, :] & 15) << 4)
     fifth = np.packbits(c3 >> 4, axis=-1, bitorder="little")  # [out, nb/2, 2, 4] bytes
     wp[:, :, BLOCK:] = fifth.reshape(out, nb // 2, 8)
-    sc = np.ascontiguousarray(w.scales, dtype=np.float32)
+    sc = factor_group_terms(np.ascontiguousarray(w.scales, dtype=np.float32), nb)
     bmap = block_groups(nb, g, ng)
     if w.mins is not None:
-        sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s + m
+        sz = factor_group_terms(np.ascontiguousarray(-np.asarray(w.mins, np.float32)), nb)
         return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
                               bmap)
     # w = (q - 16) * s: sz = 16 s, held as sc itself (zero_scale 16)
@@ -327,6 +381,8 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         sz = np.zeros((out, 0), np.float32)
     else:
         sz = (sc * z).astype(np.float32)
+    if w.bits == 4:
+        sc, sz = factor_group_terms(sc, nb), factor_group_terms(sz, nb)
     return CpuQuantWeight(w.bits, out, w.in_features, g, nb, np.ascontiguousarray(wp),
                           sc, sz, bmap)
 
