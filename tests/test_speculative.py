@@ -413,7 +413,9 @@ def test_greedy_identical_smollm2(smollm2_gguf, kv):
     assert exactness_problem(model.transformer) is None
     code = ("def total(items):\n    s = 0\n    for item in items:\n        s += item.price\n"
             "    return s\n")
-    msgs = [{"role": "user", "content": "Rename the function total to subtotal:\n" + code}]
+    # a reply that copies the prompt's code, so drafts are accepted on every KV dtype
+    msgs = [{"role": "user", "content": "Rewrite this function with the name subtotal. "
+             "Reply with the code only.\n" + code}]
     ids, _ = model.chat_ids(msgs)
     model.engine.reset()
     off, fin_off = _run(model, ids, "off", max_tokens=80)
