@@ -28,7 +28,8 @@ from numba.extending import intrinsic
 
 from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
                     _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable,
-                    _splat_f32, chunk_codes, group_scale, zero_term, zero_term_ir)
+                    _splat_f32, chunk_codes, group_scale, zero_term_ir)
+from .gemv import _finish_rows
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
 TOKEN_BLOCK = 4
@@ -191,8 +192,7 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                 for t in range(n_tok):
                     zp = builder.insert_element(zp, zero_term_ir(builder, szr, xgrows[t], ngv,
                                                                  sz_fac), ir.Constant(_I32, t))
-                zp_ = cgutils.alloca_once_value(builder, zp)
-                v = cgutils.alloca_once_value(builder, builder.fsub(tot, builder.load(zp_), flags=STRICT))
+                v = cgutils.alloca_once_value(builder, builder.fsub(tot, zp, flags=STRICT))
                 with builder.if_then(has_bias):
                     bv = _splat4(builder, builder.load(_gep(builder, a_b.data, row)))
                     builder.store(builder.fadd(builder.load(v), bv, flags=STRICT), v)
@@ -207,15 +207,11 @@ def _make_tokens_kernel(n_tok: int, bits: int):
     return kernel
 
 
-@njit(cache=True, fastmath=False)  # strict: the zero-point sums of gemv._finish_rows
+@njit(cache=True)  # per token: the decode kernels' portable rows, then gemv._finish_rows
 def _tok_portable(y, t0, n_tok, r0, nr, bits, wp, sc, sz, xg, bias, xq, dx, bmap, nb):
-    for t in range(t0, t0 + n_tok):  # per token, the decode kernels' portable row loop
+    for t in range(t0, t0 + n_tok):
         _rows_portable(y[t], r0, nr, bits, wp, sc, xq[t], dx[t], bmap, nb)
-        for r in range(r0, r0 + nr):
-            v = y[t, r] - zero_term(sz, r, xg[t])
-            if bias.shape[0] > 0:
-                v += bias[r]
-            y[t, r] = v
+        _finish_rows(y[t], r0, nr, sz, xg[t], bias)
 
 
 @njit(cache=True)

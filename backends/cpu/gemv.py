@@ -208,9 +208,7 @@ def gemv_q8_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W8[out, in] @ x
 @njit(cache=True, fastmath=False)  # strict order, not inlined: the same sums in every caller
 def _finish_rows(y, r0, nr, sz, xg, bias):  # y[r] -= sz[r, :] . xg (+ bias[r])
     for r in range(r0, r0 + nr):
-        v = y[r]
-        if sz.shape[1] > 0:  # no zero points (Q8_0, Q6_K): nothing to subtract
-            v -= zero_term(sz, r, xg)
+        v = y[r] - zero_term(sz, r, xg)
         if bias.shape[0] > 0:
             v += bias[r]
         y[r] = v

@@ -241,11 +241,7 @@ def factor_group_terms(a: np.ndarray, nb: int) -> np.ndarray:
     if factor_scales(a[:PROBE_ROWS], SUPER_GROUPS) is None:  # cheap no for fp16 scales
         return a
     f = factor_scales(a, SUPER_GROUPS)
-    if f is None:
-        return a
-    q, d = f
-    nsb = -(-nb // SUPER_GROUPS)
-    return pack_factored(q, d[:, :nsb], nb)
+    return a if f is None else pack_factored(*f, nb)
 
 
 def _repack_q6(w: QuantizedTensor, u: np.ndarray, q: np.ndarray, d: np.ndarray) -> CpuQuantWeight:
