@@ -159,45 +159,74 @@ def _group_value(a, r, g, nb):
     return lambda a, r, g, nb: a[r, g]
 
 
-def zero_term_ir(builder, szrow, xgp, ngv, factored):
-    """float ``sum_g sz[g] * xg[g]`` over ``ngv`` groups of one zero-point row (``szrow``
-    float*, or i8* of a factored row, :func:`group_scale`; ``xgp`` float*): group ``g`` in
-    lane ``g % 8`` of an <8 x float>, in group order, then the :func:`_hsum8` tree; every
-    operation :data:`STRICT` (no contraction), so every caller gets the same float. Generic
-    vector IR: any target."""
+def _masked_load(builder, ptr, vty, mask):
+    """``vty`` load of the lanes of ``ptr`` (element pointer) where ``mask`` is set, zero
+    elsewhere (``llvm.masked.load``: the other lanes' memory is not touched)."""
+    n, elt = vty.count, vty.element
+    sfx = {_F32: "f32", _I8: "i8"}[elt]
+    fn = _declare(builder.module, f"llvm.masked.load.v{n}{sfx}.p0", vty,
+                  [vty.as_pointer(), _I32, ir.VectorType(ir.IntType(1), n), vty])
+    zero = ir.Constant(vty, [0.0 if elt == _F32 else 0] * n)
+    return builder.call(fn, [builder.bitcast(ptr, vty.as_pointer()), ir.Constant(_I32, 1),
+                             mask, zero])
+
+
+def zero_accs_ir(builder, szrow, xgps, ngv, factored):
+    """The <8 x float> accumulators of ``sum_g sz[g] * xg[g]`` for each activation row in
+    ``xgps`` (float*), over ``ngv`` groups of one zero-point row (``szrow`` float*, or i8*
+    of a factored row, :func:`group_scale`): group ``g`` in lane ``g % 8``, in group order;
+    the last ``ngv % 8`` groups by masked loads (the other lanes add +0.0). Each sz vector
+    is loaded once for every row. Every operation :data:`STRICT`."""
     i64 = ir.IntType(64)
-    acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F32, [0.0] * 8))
+    zero8 = ir.Constant(_V8F32, [0.0] * 8)
+    accs = [cgutils.alloca_once_value(builder, zero8) for _ in xgps]
     n8 = builder.lshr(ngv, ir.Constant(i64, 3))
     v8i8 = ir.VectorType(_I8, 8)
 
-    def sz8(g):  # <8 x float> sz[g .. g + 8]
+    def sz8(g, mask):  # <8 x float> sz[g .. g + 8] (the masked lanes 0)
         if not factored:
-            return builder.load(builder.bitcast(_gep(builder, szrow, g), _V8F32.as_pointer()),
-                                align=4)
-        q = builder.load(builder.bitcast(_gep(builder, szrow, g), v8i8.as_pointer()), align=1)
+            if mask is None:
+                return builder.load(builder.bitcast(_gep(builder, szrow, g), _V8F32.as_pointer()),
+                                    align=4)
+            return _masked_load(builder, _gep(builder, szrow, g), _V8F32, mask)
         at = builder.add(builder.and_(builder.add(ngv, ir.Constant(i64, 3)),
                                       ir.Constant(i64, -4)),
                          builder.mul(builder.ashr(g, ir.Constant(i64, 3)), ir.Constant(i64, 4)))
         d = builder.load(builder.bitcast(_gep(builder, szrow, at), _F32.as_pointer()), align=1)
+        if mask is None:
+            q = builder.load(builder.bitcast(_gep(builder, szrow, g), v8i8.as_pointer()), align=1)
+        else:
+            q = _masked_load(builder, _gep(builder, szrow, g), v8i8, mask)
         return builder.fmul(builder.sitofp(q, _V8F32), _splat_f32(builder, d), flags=STRICT)
 
     with cgutils.for_range(builder, n8) as loop:
         g = builder.mul(loop.index, ir.Constant(i64, 8))
-        xv = builder.load(builder.bitcast(_gep(builder, xgp, g), _V8F32.as_pointer()), align=4)
-        builder.store(builder.fadd(builder.load(acc), builder.fmul(sz8(g), xv, flags=STRICT),
-                                   flags=STRICT), acc)
+        s = sz8(g, None)
+        for acc, xgp in zip(accs, xgps):
+            xv = builder.load(builder.bitcast(_gep(builder, xgp, g), _V8F32.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(s, xv, flags=STRICT),
+                                       flags=STRICT), acc)
     g0 = builder.mul(n8, ir.Constant(i64, 8))
-    rem = builder.sub(ngv, g0)
-    with builder.if_then(builder.icmp_signed(">", rem, ir.Constant(i64, 0)), likely=False):
-        tail = cgutils.alloca_once_value(builder, ir.Constant(_V8F32, [0.0] * 8))
-        with cgutils.for_range(builder, rem) as loop:
-            g = builder.add(g0, loop.index)
-            t = builder.fmul(group_scale(builder, szrow, g, ngv, factored),
-                             builder.load(_gep(builder, xgp, g)), flags=STRICT)
-            builder.store(builder.insert_element(builder.load(tail), t,
-                                                 builder.trunc(loop.index, _I32)), tail)
-        builder.store(builder.fadd(builder.load(acc), builder.load(tail), flags=STRICT), acc)
-    return _hsum8(builder, builder.load(acc))
+    rem = builder.trunc(builder.sub(ngv, g0), _I32)
+    with builder.if_then(builder.icmp_signed(">", rem, ir.Constant(_I32, 0)), likely=False):
+        lanes = ir.Constant(_V8I32, list(range(8)))
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(_V8I32, ir.Undefined), rem, ir.Constant(_I32, 0)),
+            ir.Constant(_V8I32, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+        mask = builder.icmp_signed("<", lanes, splat)
+        s = sz8(g0, mask)
+        for acc, xgp in zip(accs, xgps):
+            xv = _masked_load(builder, _gep(builder, xgp, g0), _V8F32, mask)
+            t = builder.select(mask, builder.fmul(s, xv, flags=STRICT), zero8)
+            builder.store(builder.fadd(builder.load(acc), t, flags=STRICT), acc)
+    return [builder.load(acc) for acc in accs]
+
+
+def zero_term_ir(builder, szrow, xgp, ngv, factored):
+    """float ``sum_g sz[g] * xg[g]`` of one zero-point row and one activation row
+    (:func:`zero_accs_ir`), then the :func:`_hsum8` tree; every operation :data:`STRICT`,
+    so every caller gets the same float. Generic vector IR: any target."""
+    return _hsum8(builder, zero_accs_ir(builder, szrow, [xgp], ngv, factored)[0])
 
 
 @intrinsic

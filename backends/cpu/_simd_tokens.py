@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
                     _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable,
-                    _splat_f32, chunk_codes, group_scale, zero_term_ir)
+                    _splat_f32, chunk_codes, group_scale, zero_accs_ir)
 from .gemv import _finish_rows
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
@@ -186,12 +186,10 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                         dot_all(widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), b)
                 flush_all(builder.load(cur_g))
                 tot = _hsum4(builder, [builder.load(a) for a in accs])
-                # zero-point term per token: _finish_rows' (zero_term_ir) sums
+                # zero-point term per token: _finish_rows' (zero_term_ir) lane sums, then
+                # the same tree (_hsum4 is _hsum8 per vector)
                 szr = _gep(builder, a_sz.data, builder.mul(row, szw))
-                zp = ir.Constant(_V4F32, [0.0] * 4)
-                for t in range(n_tok):
-                    zp = builder.insert_element(zp, zero_term_ir(builder, szr, xgrows[t], ngv,
-                                                                 sz_fac), ir.Constant(_I32, t))
+                zp = _hsum4(builder, zero_accs_ir(builder, szr, xgrows, ngv, sz_fac))
                 v = cgutils.alloca_once_value(builder, builder.fsub(tot, zp, flags=STRICT))
                 with builder.if_then(has_bias):
                     bv = _splat4(builder, builder.load(_gep(builder, a_b.data, row)))
