@@ -35,8 +35,9 @@ from ._simd import f32_to_half, half_to_f32, i32_as_f32
 #: Fast-math without "no infs / no NaNs": masked scores are -inf and must stay so.
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
 #: Decode attention (f32 / f16 / quantized cache) runs on one thread while keys * Hq * hd
-#: is below this (a parallel region's fork/join costs more at short contexts).
-ATTN_SERIAL_MAX = 2048 * 14 * 64
+#: is below this (a parallel region's fork/join costs more at short contexts: ~56 keys
+#: of SmolLM2, ~36 of Qwen2.5-0.5B; benchmarks/MEASUREMENTS.md).
+ATTN_SERIAL_MAX = 32 * 1024
 
 
 def _load(v):  # pragma: no cover - replaced by the overload inside Numba
