@@ -32,12 +32,6 @@ import time
 
 import numpy as np
 
-ARCH_GET_XCOMP_PERM = 0x1022
-ARCH_REQ_XCOMP_PERM = 0x1023
-XFEATURE_XTILEDATA = 18
-SYS_ARCH_PRCTL = 158  # x86_64
-
-
 def cpu_amx_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -47,17 +41,6 @@ def cpu_amx_flags() -> list[str]:
     except OSError:
         pass
     return []
-
-
-def request_amx() -> bool:
-    """Ask Linux for the AMX tile data state for this process; True when granted."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
-        return False
-    mask = ctypes.c_uint64(0)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-        return False
-    return bool(mask.value & (1 << XFEATURE_XTILEDATA))
 
 
 def _tile_config(k_bytes: int) -> np.ndarray:
@@ -184,7 +167,8 @@ def main(argv=None) -> int:
         out["granted"] = False
         print(json.dumps(out))
         return 0
-    out["granted"] = request_amx()
+    from edgeinfer.backends.cpu._amx import HAVE_AMX  # asks the OS at import
+    out["granted"] = HAVE_AMX
     if out["granted"]:
         fn, engine, asm = compile_dots()
         out["tdpbssd_in_asm"] = asm.count("tdpbssd")

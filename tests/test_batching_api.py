@@ -90,7 +90,9 @@ def _same_under_load(src, kv, jobs, parallel=4):
     want = [_stream(alone, ids, kw) for ids, kw in jobs]
     got = run_joined(many, jobs)
     assert got == want
-    assert all(len(t) > 5 for t, _ in want)
+    # each request outlives the join of the next (run_joined's join_after = 3); a sampled
+    # tiny prompt may meet EOS soon after, as SmolLM2's int4-KV one does on an AMX CPU
+    assert all(len(t) > 3 for t, _ in want)
     sched = many.pool.scheduler
     assert sched.max_batch >= 3 and sched.batched_steps > 10  # batching really happened
     assert many.pool.in_use == 0

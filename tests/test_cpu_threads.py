@@ -104,8 +104,9 @@ def test_users_policy_wins_and_passes_through_unchanged():
 
 PATHS = r"""
 import json
-from edgeinfer.backends.cpu import _simd, gemv, kernel_paths
-print(json.dumps({**kernel_paths(), "simd_kernel": gemv.q4_rows4 is _simd.SIMD_ROWS[(4, 4)]}))
+from edgeinfer.backends.cpu import _blockdot, _simd, gemv, kernel_paths
+print(json.dumps({**kernel_paths(), "simd_kernel": gemv.q8_rows4 is _simd.SIMD_ROWS[(4, 8)],
+                  "blockdot": gemv.q4_rows4 is _blockdot.BLOCKDOT_ROWS[4]}))
 """
 
 
@@ -122,6 +123,10 @@ def test_kernel_paths_report_what_was_chosen():
 
     p = _paths()
     assert p["gemv"] == ("avx2" if p["simd_kernel"] else "portable")
+    assert ("gemv_q4" in p) == p["blockdot"]  # an AMX CPU: 4-bit weights in block dots
+    if p["blockdot"]:
+        assert p["gemv_q4"] == "avx2-blockdot" and p["qgemm_q4"] in ("amx", "avx2-blockdot")
+        assert _paths(EDGEINFER_CPU_AMX="0")["qgemm_q4"] == "avx2-blockdot"
     assert p["numba"] == llb.get_host_cpu_name()
     assert p["gemm"].startswith("openblas:") and len(p["gemm"]) > len("openblas:")
     # the values follow the runtime's own choice, not a constant: force other choices

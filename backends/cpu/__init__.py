@@ -62,6 +62,8 @@ from .elementwise import (
 )
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
+from ._amx import HAVE_AMX
+from ._blockdot import BLOCKDOT
 from .qgemm import gemm_int
 from .qlane import gemm_lane, row_dequant
 from .kvquant import (
@@ -115,13 +117,18 @@ def kernel_paths() -> dict[str, str]:
 
     ``gemv`` (decode integer dots, :mod:`._simd`): ``"avx2"`` or ``"portable"``;
     ``qgemm`` (prefill on quantized weights, :mod:`.qgemm`: the same row kernels);
+    on a CPU with AMX also ``gemv_q4`` / ``qgemm_q4``, the 4-bit weights' paths in the
+    block-dot numerics (:mod:`._blockdot`): ``"avx2-blockdot"`` rows, ``"amx"`` tiles;
     ``gemm`` (dense weights and ``exact_decode``, :mod:`.gemm`): the BLAS library and
     the core its dispatch picked, e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
     (attention, elementwise, fused halves) for, e.g. ``"znver3"``.
     """
     import llvmlite.binding as llb
     rows = "avx2" if _simd.HAVE_AVX2 else "portable"
-    return {"gemv": rows, "qgemm": rows, "gemm": blas_core(),
+    q4 = {}
+    if BLOCKDOT:  # 4-bit weights: block-dot numerics, the prefill GEMM on AMX tiles
+        q4 = {"gemv_q4": "avx2-blockdot", "qgemm_q4": "amx" if HAVE_AMX else "avx2-blockdot"}
+    return {"gemv": rows, "qgemm": rows, **q4, "gemm": blas_core(),
             "numba": numba.config.CPU_NAME or llb.get_host_cpu_name()}
 
 

@@ -24,9 +24,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
 from ._simd import (ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
                     zero_term)
 from .repack import FIVE_BIT_ZERO
+
+if BLOCKDOT:  # AMX hosts: 4-bit weights in the block-dot numerics (._blockdot, ._amx)
+    q4_rows4, q4_rows1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
 
 BLOCK = 32
 #: Activation integer range per block: q in [-ACT_LEVELS, ACT_LEVELS] (15 bits).

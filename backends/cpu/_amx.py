@@ -1,0 +1,315 @@
+"""AMX-INT8 GEMM for 4-bit weights (prefill, batched decode, speculative verify).
+
+On a CPU with AMX (Intel Sapphire Rapids and later) 4-bit weights use the block-dot
+numerics of :mod:`._blockdot` in decode and here alike, so every (token, row) output is
+bit-identical to its decode GEMV. The exact integer block dots come from the tile unit:
+
+* activations are quantized as for decode (:func:`.gemv.quantize_act`: 15-bit integers
+  ``q`` per 32-column block) and split as ``q = 128 h + l`` with ``h`` in [-127, 127] and
+  ``l`` in [-64, 63], both int8, in tiles of 16 tokens x 32 columns (zero rows past T);
+* a panel of 16 weight rows is unpacked once per call into int8 B tiles (8 rows of
+  16 x 4 codes, the VNNI order of ``tdpbssd``) and its scales into ``[ng, 16]``;
+* per block two ``tdpbssd`` give ``C_h`` and ``C_l``, and ``D = 128 C_h + C_l`` is the
+  exact dot of every (token, row) of the tile; then the float steps of :mod:`._blockdot`
+  on 16 rows at a time, the zero-point term and bias by :func:`.gemv._finish_rows`.
+
+The kernel is LLVM IR inlined into Numba (``llvm.x86.ldtilecfg``, ``tileloadd64``,
+``tdpbssd``, ``tilestored64``: Intel SDM vol. 1 ch. 18). Linux grants the tile state to
+a process on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``,
+``Documentation/arch/x86/xstate.rst``): :data:`HAVE_AMX` is true only when it did. A CPU
+with AMX whose request is refused still decodes with the block-dot numerics and prefills
+with :func:`gemm_rows` (the row kernels per token: slow, the same floats).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
+from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_value
+from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
+
+
+def _request_amx() -> bool:
+    """Ask Linux for the AMX tile data state (process-wide); True when granted."""
+    if not BLOCKDOT or platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    if os.environ.get("EDGEINFER_CPU_AMX", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(158, 0x1023, 18) != 0:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+            return False
+        mask = ctypes.c_uint64(0)
+        if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # ARCH_GET_XCOMP_PERM
+            return False
+        return bool(mask.value & (1 << 18))
+    except (OSError, AttributeError):
+        return False
+
+
+#: AMX tiles may run in this process (:data:`BLOCKDOT` and the OS's permission).
+HAVE_AMX = _request_amx()
+#: Tokens and weight rows per tile.
+TILE = 16
+
+
+def _tile_config() -> np.ndarray:
+    """Palette-1 config: tiles 0, 1 int32 C (16 x 64 B); 2, 3 int8 A (16 x 32 B); 4 int8
+    B (8 x 64 B)."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb = cfg[16:48].view(np.uint16)
+    for t, (rows, cols) in enumerate([(16, 64), (16, 64), (16, 32), (16, 32), (8, 64)]):
+        colsb[t] = cols
+        cfg[48 + t] = rows
+    return cfg
+
+
+_CFG = _tile_config()
+_V16I32 = ir.VectorType(_I32, 16)
+_V16F32 = ir.VectorType(ir.FloatType(), 16)
+
+
+@intrinsic
+def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbuf, accs):
+    """One 16-row panel x one 16-token tile: ``y[t0 + t, r0 + n] = acc`` (the
+    :mod:`._blockdot` float steps over the exact tile dots) for t < nt, n < nr.
+
+    ``cfg`` uint8 [64] (:func:`_tile_config`), ``ah`` / ``al`` int8 [nb, 16, 32] the
+    token tile's split activations, ``bt`` [nb, 8, 64] bytes (:func:`_pack_panel`) the
+    panel's B tiles, ``dxt``
+    float32 [nb, 16] activation scales, ``sct`` float32 [ng, 16] the panel's scales,
+    ``bmap`` int32 [nb], ``y`` float32 [T, out] C-contiguous, ``cbuf`` int32 [2, 16, 16]
+    and ``accs`` float32 [16, 16] scratch.
+    """
+    sig = types.void(cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbuf, accs)
+
+    def codegen(context, builder, signature, args):
+        a_cfg, a_ah, a_al, a_bt, a_dxt, a_sct, a_bm, a_y, _, _, _, _, a_cb, a_acc = (
+            context.make_array(signature.args[i])(context, builder, args[i])
+            if isinstance(signature.args[i], types.Array) else None for i in range(14))
+        t0v, ntv, r0v, nrv = args[8], args[9], args[10], args[11]
+        i64 = ir.IntType(64)
+        c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+        i8p = _I8.as_pointer()
+        mod = builder.module
+        void = ir.VoidType()
+        ldcfg = _declare(mod, "llvm.x86.ldtilecfg", void, [i8p])
+        release = _declare(mod, "llvm.x86.tilerelease", void, [])
+        tzero = _declare(mod, "llvm.x86.tilezero", void, [_I8])
+        tload = _declare(mod, "llvm.x86.tileloadd64", void, [_I8, i8p, i64])
+        tstore = _declare(mod, "llvm.x86.tilestored64", void, [_I8, i8p, i64])
+        dpb = _declare(mod, "llvm.x86.tdpbssd", void, [_I8, _I8, _I8])
+        fmuladd = _declare(mod, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+        t8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+        nb = cgutils.unpack_tuple(builder, a_ah.shape, 3)[0]
+        ahp = builder.bitcast(a_ah.data, i8p)
+        alp = builder.bitcast(a_al.data, i8p)
+        btp = builder.bitcast(a_bt.data, i8p)
+        cbp = builder.bitcast(a_cb.data, i8p)
+        cvec = builder.bitcast(a_cb.data, _V16I32.as_pointer())
+        accv = builder.bitcast(a_acc.data, _V16F32.as_pointer())
+        sctv = builder.bitcast(a_sct.data, _V16F32.as_pointer())
+        zero16 = ir.Constant(_V16F32, [0.0] * 16)
+        seven = ir.Constant(_V16I32, [7] * 16)
+        gaccs = [cgutils.alloca_once_value(builder, zero16) for _ in range(TILE)]
+        for t in range(TILE):
+            builder.store(zero16, _gep(builder, accv, c64(t)))
+        cur_g = cgutils.alloca_once_value(
+            builder, builder.sext(builder.load(a_bm.data), i64))
+        builder.call(ldcfg, [builder.bitcast(a_cfg.data, i8p)])
+
+        def flush(g):  # acc[t] += gacc[t] * sc[g, rows]; gacc[t] = 0
+            s = builder.load(_gep(builder, sctv, g), align=4)
+            for t in range(TILE):
+                at = _gep(builder, accv, c64(t))
+                builder.store(builder.call(fmuladd, [builder.load(gaccs[t]), s,
+                                                     builder.load(at, align=4)]), at, align=4)
+                builder.store(zero16, gaccs[t])
+
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            g = builder.sext(builder.load(_gep(builder, a_bm.data, b)), i64)
+            with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                 likely=False):
+                flush(builder.load(cur_g))
+                builder.store(g, cur_g)
+            off = builder.mul(b, c64(512))
+            builder.call(tzero, [t8(0)])
+            builder.call(tzero, [t8(1)])
+            builder.call(tload, [t8(2), _gep(builder, ahp, off), c64(32)])
+            builder.call(tload, [t8(3), _gep(builder, alp, off), c64(32)])
+            builder.call(tload, [t8(4), _gep(builder, btp, off), c64(64)])
+            builder.call(dpb, [t8(0), t8(2), t8(4)])
+            builder.call(dpb, [t8(1), t8(3), t8(4)])
+            builder.call(tstore, [t8(0), cbp, c64(64)])
+            builder.call(tstore, [t8(1), _gep(builder, cbp, c64(1024)), c64(64)])
+            dxrow = builder.mul(b, c64(TILE))
+            for t in range(TILE):  # gacc[t] += float(128 C_h + C_l) * dx[t, b]
+                ch = builder.load(_gep(builder, cvec, c64(t)), align=4)
+                cl = builder.load(_gep(builder, cvec, c64(TILE + t)), align=4)
+                d = builder.sitofp(builder.add(builder.shl(ch, seven), cl), _V16F32)
+                f = builder.load(_gep(builder, a_dxt.data, builder.add(dxrow, c64(t))))
+                fv = builder.insert_element(ir.Constant(_V16F32, ir.Undefined), f,
+                                            ir.Constant(_I32, 0))
+                fv = builder.shuffle_vector(fv, ir.Constant(_V16F32, ir.Undefined),
+                                            ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+                builder.store(builder.call(fmuladd, [d, fv, builder.load(gaccs[t])]), gaccs[t])
+        flush(builder.load(cur_g))
+        builder.call(release, [])
+        ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
+        ybase = builder.bitcast(a_y.data, i8p)
+        accf = builder.bitcast(a_acc.data, ir.FloatType().as_pointer())
+        with cgutils.for_range(builder, ntv) as tl:
+            rowp = builder.bitcast(_gep(builder, ybase, builder.mul(builder.add(t0v, tl.index),
+                                                                    ystride)),
+                                   ir.FloatType().as_pointer())
+            with cgutils.for_range(builder, nrv) as nl:
+                v = builder.load(_gep(builder, accf, builder.add(builder.mul(tl.index, c64(TILE)),
+                                                                 nl.index)))
+                builder.store(v, _gep(builder, rowp, builder.add(r0v, nl.index)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: Word (4 codes) of a block's packed 32-byte chunk half that holds activation positions
+#: 4k .. 4k + 3 (:data:`._simd.ACT_ORDER` keeps runs of 4 columns together).
+_POS_WORD = np.array([int(np.argsort(ACT_ORDER)[4 * k]) // 4 for k in range(8)], np.int64)
+
+
+@njit(cache=True)
+def _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng):
+    """The 16-row panel at ``r0`` (``nr`` real rows) of a 4-bit weight: its codes as B
+    tiles ``bt`` uint32 [nb, 8, 16] (word ``[b, k, n]``: row n's codes at activation
+    positions 4k .. 4k + 3, one byte each: the VNNI order of ``tdpbssd``), its scales as
+    ``sct`` float32 [ng, 16]; rows past ``nr`` zero. ``wp32`` is ``wp`` as uint32 words."""
+    bt[:] = 0
+    sct[:] = 0
+    for n in range(nr):
+        r = r0 + n
+        for b in range(nb):
+            sh = np.uint32(4 * (b % 2))
+            base = (b // 2) * 8
+            for k in range(8):
+                bt[b, k, n] = (wp32[r, base + _POS_WORD[k]] >> sh) & np.uint32(0x0F0F0F0F)
+        for g in range(ng):
+            sct[g, n] = group_value(sc, r, g, nb)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, zmul, cfg):
+    t_n = x.shape[0]
+    nb = dx.shape[1]
+    for t in prange(t_n):
+        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+        if zmul != 1.0:
+            for g in range(xg.shape[1]):
+                xg[t, g] *= zmul
+    n_tt = ah.shape[0]
+    for it in prange(n_tt * nb):  # q = 128 h + l, token tiles padded with zeros
+        tt = it // nb
+        b = it - tt * nb
+        for t in range(TILE):
+            tok = tt * TILE + t
+            if tok < t_n:
+                for p in range(32):
+                    v = np.int32(xq[tok, b * 32 + p])
+                    h = (v + 64) >> 7
+                    ah[tt, b, t, p] = h
+                    al[tt, b, t, p] = v - (h << 7)
+                dxt[tt, b, t] = dx[tok, b]
+            else:
+                ah[tt, b, t, :] = 0
+                al[tt, b, t, :] = 0
+                dxt[tt, b, t] = 0
+    out = y.shape[1]
+    for pn in prange((out + TILE - 1) // TILE):
+        r0 = pn * TILE
+        nr = min(TILE, out - r0)
+        bt = np.empty((nb, 8, TILE), np.uint32)
+        sct = np.empty((ng, TILE), np.float32)
+        cbuf = np.empty((2, TILE, TILE), np.int32)
+        accs = np.empty((TILE, TILE), np.float32)
+        _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng)
+        for tt in range(n_tt):
+            t0 = tt * TILE
+            amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, bmap, y, t0, min(TILE, t_n - t0),
+                      r0, nr, cbuf, accs)
+    for t in prange(t_n):
+        _finish_rows(y[t], 0, out, sz, xg[t], bias)
+
+
+_NO_BIAS = np.zeros(0, np.float32)
+
+
+def _words(wp: np.ndarray) -> np.ndarray:
+    """A 4-bit weight's packed rows (uint8 [rows, nb * 16]) as uint32 words."""
+    return np.ascontiguousarray(wp).view(np.uint32)
+
+
+def gemm_amx(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
+    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4-bit weight on AMX, each row
+    bit-identical to its block-dot decode GEMV.
+
+    Args:
+        x: float32 [T, in] C-contiguous; w: 4-bit ``CpuQuantWeight``; bias: float32 [out]
+            or None.
+
+    Returns:
+        float32 [T, out].
+    """
+    t = x.shape[0]
+    n_tt = -(-t // TILE)
+    nb = w.n_blocks
+    y = np.empty((t, w.out_features), np.float32)
+    xq = np.empty((t, nb * XQ_PER_BLOCK), XQ_DTYPE)
+    dx = np.empty((t, nb), np.float32)
+    xg = np.empty((t, w.n_groups), np.float32)
+    ah = np.empty((n_tt, nb, TILE, 32), np.int8)
+    al = np.empty((n_tt, nb, TILE, 32), np.int8)
+    dxt = np.empty((n_tt, nb, TILE), np.float32)
+    _gemm_amx(y, x, _words(w.wp), w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
+              xq, dx, xg, ah, al, dxt, w.n_groups, np.float32(w.zero_scale), _CFG)
+    return y
+
+
+@njit(parallel=True, cache=True)
+def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
+    t_n = x.shape[0]
+    out = y.shape[1]
+    nb = dx.shape[1]
+    nblk = out // 4
+    for t in prange(t_n):
+        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+        if zmul != 1.0:
+            for g in range(xg.shape[1]):
+                xg[t, g] *= zmul
+        for i in range(nblk):
+            _ROWS4(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
+        for r in range(nblk * 4, out):
+            _ROWS1(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
+        _finish_rows(y[t], 0, out, sz, xg[t], bias)
+
+
+_ROWS4, _ROWS1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
+
+
+def gemm_rows(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
+    """As :func:`gemm_amx` by the block-dot row kernels, one token at a time (a CPU with
+    AMX whose tile state the OS refused: the same floats, without the tile unit)."""
+    t = x.shape[0]
+    y = np.empty((t, w.out_features), np.float32)
+    _gemm_rows(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
+               np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE),
+               np.empty((t, w.n_blocks), np.float32), np.empty((t, w.n_groups), np.float32),
+               np.float32(w.zero_scale))
+    return y

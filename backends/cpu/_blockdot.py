@@ -1,0 +1,163 @@
+"""Block-dot numerics for 4-bit weights: one exact int32 per (row, 32-column block).
+
+The row kernels of :mod:`._simd` keep 8 int32 lane sums per block and apply the
+activation scale per lane (8 float FMAs per row and block, summed across lanes at the end
+of the row). Here the 8 lane sums are first added (integers: exact) into the block's dot
+``D[r, b] = sum_k code[r, k] * q[k]``, and every float operation is scalar per row:
+
+    gacc = fma(float(D[r, b]), dx[b], gacc)      for the blocks b of group g, in order
+    acc  = fma(gacc, sc[r, g], acc); gacc = 0    when the group ends
+    y[r] = acc                                   (the caller subtracts the zero-point term)
+
+A GEMM can compute ``D`` any way it likes (AMX tiles: :mod:`._amx`) and still give these
+floats bit for bit, because no float operation depends on how the integer dot was
+summed. The 4 rows of a call are reduced together (a tree of pairwise adds across rows,
+what ``vphaddd`` does) into one <4 x i32>, and the float steps run on the 4 rows' lanes.
+Used for 4-bit weights where the host has AMX (:data:`._amx.HAVE_AMX`), decode and
+prefill alike; elsewhere the lane numerics of :mod:`._simd` stay.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._simd import (_FEATURES, _F32, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES, PREFETCH_BLOCKS,
+                    _declare, _gep, chunk_codes, group_scale)
+
+#: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
+#: 4-bit weights use these numerics in decode and prefill.
+BLOCKDOT = bool(_FEATURES.get("amx-int8", False) and _FEATURES.get("amx-tile", False))
+_V4I32 = ir.VectorType(_I32, 4)
+_V4F32 = ir.VectorType(_F32, 4)
+
+
+def _idx(vals):
+    return ir.Constant(ir.VectorType(_I32, len(vals)), list(vals))
+
+
+def block_dots4(builder, vs):
+    """Up to 4 <8 x i32> lane-sum vectors -> <4 x i32>, lane r the sum of ``vs[r]``'s
+    lanes (zero past ``len(vs)``); integer adds, so any order gives the same value."""
+    zero = ir.Constant(_V8I32, [0] * 8)
+    vs = list(vs) + [zero] * (4 - len(vs))
+
+    def hadd(a, b):  # vphaddd: in each 128-bit half, pairs of a then pairs of b
+        ev = _idx([0, 2, 8, 10, 4, 6, 12, 14])
+        od = _idx([1, 3, 9, 11, 5, 7, 13, 15])
+        return builder.add(builder.shuffle_vector(a, b, ev), builder.shuffle_vector(a, b, od))
+
+    h = hadd(hadd(vs[0], vs[1]), hadd(vs[2], vs[3]))
+    return builder.add(builder.shuffle_vector(h, h, _idx([0, 1, 2, 3])),
+                       builder.shuffle_vector(h, h, _idx([4, 5, 6, 7])))
+
+
+def _splat4(builder, v):
+    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined), _idx([0] * 4))
+
+
+def _make_rows_kernel(n_rows: int):
+    """Intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` (1..4) rows of a
+    4-bit weight, arguments as :func:`._simd._make_rows_kernel`; writes ``y[r] = acc``
+    of the module docstring."""
+
+    @intrinsic
+    def kernel(typingctx, y, r0, wp, sc, xq, dx, bmap, nb):
+        sig = types.void(y, r0, wp, sc, xq, dx, bmap, nb)
+
+        def codegen(context, builder, signature, args):
+            ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx, ty_bm, _ = signature.args
+            a_y, a_wp, a_sc, a_xq, a_dx, a_bm = (
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 2, 3, 4, 5, 6))
+            i64 = ir.IntType(64)
+            c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+            r0v, nbv = args[1], args[7]
+            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
+            srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
+            mod = builder.module
+            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+            fmuladd = _declare(mod, "llvm.fmuladd.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
+            prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
+                                [_I8.as_pointer(), _I32, _I32, _I32])
+            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+            xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
+            ahead = builder.mul(wrow, c64(n_rows * PREFETCH_BLOCKS))
+            zero4 = ir.Constant(_V4F32, [0.0] * 4)
+            factored = ty_sc.dtype == types.uint8
+            rows = [builder.add(r0v, c64(r)) for r in range(n_rows)]
+            wrows = [_gep(builder, wbase, builder.mul(r, wrow)) for r in rows]
+            srows = [_gep(builder, a_sc.data, builder.mul(r, srow)) for r in rows]
+            acc = cgutils.alloca_once_value(builder, zero4)
+            gacc = cgutils.alloca_once_value(builder, zero4)
+            cur_g = cgutils.alloca_once(builder, i64)
+            builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
+
+            def flush(g):  # acc += gacc * sc[rows, g]; gacc = 0
+                s = zero4
+                for r in range(n_rows):
+                    s = builder.insert_element(s, group_scale(builder, srows[r], g, nbv, factored),
+                                               ir.Constant(_I32, r))
+                builder.store(builder.call(fmuladd, [builder.load(gacc), s, builder.load(acc)]),
+                              acc)
+                builder.store(zero4, gacc)
+
+            def act(bidx):
+                xoff = builder.mul(bidx, c64(32))
+                xa = builder.load(builder.bitcast(_gep(builder, xbase, xoff),
+                                                  _V16I16.as_pointer()), align=2)
+                xb = builder.load(builder.bitcast(_gep(builder, xbase, builder.add(xoff, c64(16))),
+                                                  _V16I16.as_pointer()), align=2)
+                return xa, xb, _splat4(builder, builder.load(_gep(builder, a_dx.data, bidx)))
+
+            def accumulate(p32s, x):  # gacc += float(D) * dx_b, D the rows' block dots
+                d = builder.sitofp(block_dots4(builder, p32s), _V4F32)
+                builder.store(builder.call(fmuladd, [d, x[2], builder.load(gacc)]), gacc)
+
+            def group_of(bidx):
+                return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+
+            with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
+                c = loop.index
+                off = builder.mul(c, c64(CHUNK_BYTES[4]))
+                b0 = builder.mul(c, c64(2))
+                b1 = builder.add(b0, c64(1))
+                x0, x1 = act(b0), act(b1)
+                g0, g1 = group_of(b0), group_of(b1)
+                with builder.if_then(builder.icmp_signed("!=", g0, builder.load(cur_g)),
+                                     likely=False):
+                    flush(builder.load(cur_g))
+                    builder.store(g0, cur_g)
+                lo, hi = [], []
+                for r in range(n_rows):
+                    wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                      _V32I8.as_pointer()), align=1)
+                    builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                            ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                            ir.Constant(_I32, 1)])
+                    la, lb, ha, hb = chunk_codes(builder, 4, wv, wrows[r], off)
+                    lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
+                                          builder.call(pmaddwd, [lb, x0[1]])))
+                    hi.append(builder.add(builder.call(pmaddwd, [ha, x1[0]]),
+                                          builder.call(pmaddwd, [hb, x1[1]])))
+                accumulate(lo, x0)
+                with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
+                    flush(g0)
+                accumulate(hi, x1)
+                builder.store(g1, cur_g)
+            flush(builder.load(cur_g))
+            v = builder.load(acc)
+            for r in range(n_rows):
+                builder.store(builder.extract_element(v, ir.Constant(_I32, r)),
+                              _gep(builder, a_y.data, rows[r]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+#: Row kernels of the block-dot numerics, ``{n_rows: kernel}`` for 4 and 1 rows.
+BLOCKDOT_ROWS = {n: _make_rows_kernel(n) for n in (4, 1)}
