@@ -59,6 +59,8 @@ def _request_amx() -> bool:
 HAVE_AMX = _request_amx()
 #: Tokens and weight rows per tile.
 TILE = 16
+#: Fewest tokens that go to the tiles (fewer: :func:`gemm_rows`).
+AMX_MIN_TOKENS = 16
 
 
 def _tile_config() -> np.ndarray:
@@ -287,16 +289,19 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
     t_n = x.shape[0]
     out = y.shape[1]
     nb = dx.shape[1]
-    nblk = out // 4
     for t in prange(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
         if zmul != 1.0:
             for g in range(xg.shape[1]):
                 xg[t, g] *= zmul
-        for i in range(nblk):
-            _ROWS4(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
-        for r in range(nblk * 4, out):
-            _ROWS1(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):  # 4 rows (then single rows) for every token:
+        for t in range(t_n):                 # the rows come from memory once, then L1
+            if i < nblk:
+                _ROWS4(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
+            else:
+                _ROWS1(y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t], bmap, nb)
+    for t in prange(t_n):
         _finish_rows(y[t], 0, out, sz, xg[t], bias)
 
 
@@ -304,8 +309,10 @@ _ROWS4, _ROWS1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
 
 
 def gemm_rows(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-    """As :func:`gemm_amx` by the block-dot row kernels, one token at a time (a CPU with
-    AMX whose tile state the OS refused: the same floats, without the tile unit)."""
+    """As :func:`gemm_amx` by the block-dot row kernels, every token over each 4 rows in
+    turn: for fewer than :data:`AMX_MIN_TOKENS` tokens (a batched decode step, a short
+    speculative verify), where unpacking every panel costs more than the tiles save, and
+    where the OS refused the tile state. The same floats."""
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
     _gemm_rows(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._amx import HAVE_AMX, gemm_amx, gemm_rows
+from ._amx import AMX_MIN_TOKENS, HAVE_AMX, gemm_amx, gemm_rows
 from ._blockdot import BLOCKDOT
 from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q5_tok1, q5_tok2,
                            q5_tok3, q5_tok4, q8_tok1, q8_tok2, q8_tok3, q8_tok4)
@@ -106,7 +106,8 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
         their scales) lives for the call.
     """
     if BLOCKDOT and w.bits == 4:  # AMX hosts: the block-dot numerics of the 4-bit GEMV
-        return (gemm_amx if HAVE_AMX else gemm_rows)(x, w, bias)
+        tiles = HAVE_AMX and x.shape[0] >= AMX_MIN_TOKENS
+        return (gemm_amx if tiles else gemm_rows)(x, w, bias)
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
