@@ -64,7 +64,8 @@ declare void @llvm.x86.tileloadd64(i8, i8*, i64)
 declare void @llvm.x86.tilestored64(i8, i8*, i64)
 declare void @llvm.x86.tdpbssd(i8, i8, i8)
 
-; per block b (operands of block b & mask): C_h = A_h[b] . B[b], C_l = A_l[b] . B[b] (tdpbssd), stored at c_h/c_l[b]
+; per block b (operands of block b & mask): C_h = A_h[b] . B[b], C_l = A_l[b] . B[b]
+; (tdpbssd), stored at c_h / c_l [b]
 define void @dots(i8* %cfg, i8* %ah, i8* %al, i8* %b, i8* %ch, i8* %cl, i64 %nb,
                   i64 %abytes, i64 %bbytes, i64 %astride, i64 %mask) {
 entry:
@@ -122,9 +123,10 @@ def compile_dots():
 
 
 def _vnni_b(codes: np.ndarray) -> np.ndarray:
-    """Weight codes [16 rows, K] int8 -> the B tile [K/4, 16 * 4]: B[k4, 4 n + i] = w[n, 4 k4 + i]."""
+    """Weight codes [16 rows, K] int8 -> the B tile [K/4, 64]: B[k4, 4 n + i] = w[n, 4 k4 + i]."""
     n, k = codes.shape
-    return np.ascontiguousarray(codes.reshape(n, k // 4, 4).transpose(1, 0, 2).reshape(k // 4, 4 * n))
+    b = codes.reshape(n, k // 4, 4).transpose(1, 0, 2).reshape(k // 4, 4 * n)
+    return np.ascontiguousarray(b)
 
 
 def run(blocks: int, reps: int, k_bytes: int, fn, rng) -> dict:

@@ -23,13 +23,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_FEATURES, _F32, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES, PREFETCH_BLOCKS,
-                    _declare, _gep, chunk_codes, group_scale)
+from ._simd import (_F32, _FEATURES, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                    PREFETCH_BLOCKS, _declare, _gep, chunk_codes, group_scale)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
 #: 4-bit weights use these numerics in decode and prefill.
 BLOCKDOT = bool(_FEATURES.get("amx-int8", False) and _FEATURES.get("amx-tile", False))
-_V4I32 = ir.VectorType(_I32, 4)
 _V4F32 = ir.VectorType(_F32, 4)
 
 
@@ -68,7 +67,7 @@ def _make_rows_kernel(n_rows: int):
         sig = types.void(y, r0, wp, sc, xq, dx, bmap, nb)
 
         def codegen(context, builder, signature, args):
-            ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx, ty_bm, _ = signature.args
+            ty_sc = signature.args[3]
             a_y, a_wp, a_sc, a_xq, a_dx, a_bm = (
                 context.make_array(signature.args[i])(context, builder, args[i])
                 for i in (0, 2, 3, 4, 5, 6))
