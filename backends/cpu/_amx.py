@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
 from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_value
-from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
+from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 
 def _request_amx() -> bool:
@@ -211,11 +211,7 @@ def _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng):
 def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, zmul, cfg):
     t_n = x.shape[0]
     nb = dx.shape[1]
-    for t in prange(t_n):
-        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
-        if zmul != 1.0:
-            for g in range(xg.shape[1]):
-                xg[t, g] *= zmul
+    quantize_rows(xq, dx, xg, x, bmap, zmul)
     n_tt = ah.shape[0]
     for it in prange(n_tt * nb):  # q = 128 h + l, token tiles padded with zeros
         tt = it // nb
@@ -289,11 +285,7 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
     t_n = x.shape[0]
     out = y.shape[1]
     nb = dx.shape[1]
-    for t in prange(t_n):
-        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
-        if zmul != 1.0:
-            for g in range(xg.shape[1]):
-                xg[t, g] *= zmul
+    quantize_rows(xq, dx, xg, x, bmap, zmul)
     nblk = out // 4
     for i in prange(nblk + out - nblk * 4):  # 4 rows (then single rows) for every token:
         for t in range(t_n):                 # the rows come from memory once, then L1

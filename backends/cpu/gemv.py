@@ -83,6 +83,17 @@ def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32,
         xg[bmap[b]] += d * np.float32(s)
 
 
+@njit(parallel=True, cache=True)
+def quantize_rows(xq, dx, xg, x, bmap, zmul):  # x[T, K] -> xq[T, nb*32], dx[T, nb], xg[T, ng]
+    """:func:`quantize_act` of every row of ``x`` (across threads), the group sums times
+    ``zmul`` (a weight's zero scale: a power of two, exact) when it is not 1."""
+    for t in prange(x.shape[0]):
+        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+        if zmul != 1.0:
+            for g in range(xg.shape[1]):
+                xg[t, g] *= zmul
+
+
 @njit(cache=True, fastmath=True, inline="always")
 def _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg):  # row block i of W4 @ x
     nb = dx.shape[0]

@@ -25,7 +25,7 @@ from ._amx import AMX_MIN_TOKENS, HAVE_AMX, gemm_amx, gemm_rows
 from ._blockdot import BLOCKDOT
 from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q5_tok1, q5_tok2,
                            q5_tok3, q5_tok4, q8_tok1, q8_tok2, q8_tok3, q8_tok4)
-from .gemv import XQ_DTYPE, XQ_PER_BLOCK, quantize_act
+from .gemv import XQ_DTYPE, XQ_PER_BLOCK, quantize_rows
 from .repack import CpuQuantWeight
 
 #: Rows per weight tile.
@@ -68,11 +68,7 @@ def _tokens(n, bits, y, t, r0, nr, wp, sc, sz, xg, bias, xq, dx, bmap, nb):  # n
 @njit(parallel=True, cache=True, fastmath=True)
 def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, bits, zmul):
     t_n = x.shape[0]
-    for t in prange(t_n):
-        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
-        if zmul != 1.0:
-            for g in range(xg.shape[1]):
-                xg[t, g] *= zmul  # zero_scale: a power of two (exact)
+    quantize_rows(xq, dx, xg, x, bmap, zmul)
     out = y.shape[1]
     nb = dx.shape[1]
     n_tiles = -(-out // TILE_ROWS)
