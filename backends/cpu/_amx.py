@@ -16,9 +16,9 @@ bit-identical to its decode GEMV. The exact integer block dots come from the til
 The kernel is LLVM IR inlined into Numba (``llvm.x86.ldtilecfg``, ``tileloadd64``,
 ``tdpbssd``, ``tilestored64``: Intel SDM vol. 1 ch. 18). Linux grants the tile state to
 a process on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``,
-``Documentation/arch/x86/xstate.rst``): :data:`HAVE_AMX` is true only when it did. A CPU
-with AMX whose request is refused still decodes with the block-dot numerics and prefills
-with :func:`gemm_rows` (the row kernels per token: slow, the same floats).
+``Documentation/arch/x86/xstate.rst``): :data:`HAVE_AMX` is true only when it did. Fewer
+than :data:`AMX_MIN_TOKENS` tokens, or a refused request, take :func:`gemm_rows` (the
+block-dot row kernels, every token over each 4 rows): the same floats.
 """
 from __future__ import annotations
 

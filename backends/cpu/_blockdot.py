@@ -13,8 +13,9 @@ A GEMM can compute ``D`` any way it likes (AMX tiles: :mod:`._amx`) and still gi
 floats bit for bit, because no float operation depends on how the integer dot was
 summed. The 4 rows of a call are reduced together (a tree of pairwise adds across rows,
 what ``vphaddd`` does) into one <4 x i32>, and the float steps run on the 4 rows' lanes.
-Used for 4-bit weights where the host has AMX (:data:`._amx.HAVE_AMX`), decode and
-prefill alike; elsewhere the lane numerics of :mod:`._simd` stay.
+Used for 4-bit weights where the CPU has AMX-INT8 (:data:`BLOCKDOT`), decode and prefill
+alike, whether or not the OS grants the tiles (:data:`._amx.HAVE_AMX`); elsewhere the lane
+numerics of :mod:`._simd` stay.
 """
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_F32, _FEATURES, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
-                    PREFETCH_BLOCKS, _declare, _gep, chunk_codes, group_scale)
+from ._simd import (_FEATURES, _I8, _I16, _I32, _V4F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                    PREFETCH_BLOCKS, _declare, _gep, _splat4, chunk_codes, group_scale)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
 #: 4-bit weights use these numerics in decode and prefill.
 BLOCKDOT = bool(_FEATURES.get("amx-int8", False) and _FEATURES.get("amx-tile", False))
-_V4F32 = ir.VectorType(_F32, 4)
 
 
 def _idx(vals):
@@ -50,11 +50,6 @@ def block_dots4(builder, vs):
     h = hadd(hadd(vs[0], vs[1]), hadd(vs[2], vs[3]))
     return builder.add(builder.shuffle_vector(h, h, _idx([0, 1, 2, 3])),
                        builder.shuffle_vector(h, h, _idx([4, 5, 6, 7])))
-
-
-def _splat4(builder, v):
-    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined), _idx([0] * 4))
 
 
 def _make_rows_kernel(n_rows: int):

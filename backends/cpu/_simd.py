@@ -86,6 +86,15 @@ def _declare(module, name, ret, args):
     return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
 
 
+_V4F32 = ir.VectorType(_F32, 4)
+
+
+def _splat4(builder, v):  # float -> <4 x float>
+    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 4), [0] * 4))
+
+
 def _splat_f32(builder, v):
     vec = builder.insert_element(ir.Constant(_V8F32, ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vec, ir.Constant(_V8F32, ir.Undefined),

@@ -26,9 +26,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V8F32, _V8I32, _V16I16,
-                    _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep, _rows_portable,
-                    _splat_f32, chunk_codes, group_scale, zero_accs_ir)
+from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, _V8F32, _V8I32,
+                    _V16I16, _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep,
+                    _rows_portable, _splat4, _splat_f32, chunk_codes, group_scale, zero_accs_ir)
 from .gemv import _finish_rows
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
@@ -40,15 +40,6 @@ def _row_ptr(builder, arr, ty, row, elem):
     stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
     base = builder.bitcast(arr.data, _I8.as_pointer())
     return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
-
-
-_V4F32 = ir.VectorType(_F32, 4)
-
-
-def _splat4(builder, v):
-    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, 4), [0] * 4))
 
 
 def _pair_add(builder, a, b):  # vhaddps: [a01 a23 b01 b23 | a45 a67 b45 b67]
