@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ._attn_ir import row_max, row_sum
 from ._simd import f32_to_half, half_to_f32, i32_as_f32
 
 #: Fast-math without "no infs / no NaNs": masked scores are -inf and must stay so.
@@ -257,18 +258,14 @@ def exp_neg(x):  # float32 x <= 0 -> exp(x); 0 below -87 (and for -inf, NaN)
 @njit(cache=True, fastmath=_FM, inline="always")
 def _softmax_inplace(x, softcap):  # x[n] scores -> probabilities (masked -inf -> 0)
     n = x.shape[0]
-    m = np.float32(-np.inf)
+    if softcap > 0:
+        for j in range(n):
+            v = x[j]
+            if v > -np.inf:
+                x[j] = np.float32(math.tanh(v / softcap)) * softcap
+    m = row_max(x)
     for j in range(n):
-        v = x[j]
-        if softcap > 0 and v > -np.inf:
-            v = np.float32(math.tanh(v / softcap)) * softcap
-            x[j] = v
-        m = max(m, v)
-    tot = np.float32(0.0)
-    for j in range(n):
-        e = exp_neg(x[j] - m)
-        x[j] = e
-        tot += e
-    inv = np.float32(1.0) / tot
+        x[j] = exp_neg(x[j] - m)
+    inv = np.float32(1.0) / row_sum(x)  # a fixed order: the same float in every kernel
     for j in range(n):
         x[j] *= inv

@@ -9,18 +9,22 @@ as their uint16 bits):
   :mod:`..kvcache` (float32 math, no fast-math: ``max|y| / 127``, f16 round-to-nearest-
   even with saturation, ``rint(y / s)`` half to even, clipping; int4 packed low nibble
   first). Ring layers: slot ``p % S`` and the position table are updated too.
-* :func:`attention_q` is the GQA attention of :mod:`.attention` without dequantizing
-  the cache: each query head is scaled and rotated once per group (``q_g @ H_G``), so
-  ``q . k = (q H) . (k H)`` is a dot with the stored codes, one scale (and for int4 the
-  group minimum times the rotated query's group sum) per group; int4's K channel scale
-  ``c`` is folded into the query before the rotation and its offset ``m`` adds ``q . m``
-  to every score of that query head; V is dequantized on the
-  fly inside the weighted sum (int8: one scale per (token, head) folded into the
-  probability; int4: per group ``p * s * code + p * m``).
+* :func:`attention_q` is the GQA attention of :mod:`.attention` over the codes: each
+  query head is scaled and rotated once (``q_g @ H_G``), so ``q . k = (q H) . (k H)``
+  needs no rotation of the keys; int4's K channel scale ``c`` is folded into the query
+  before the rotation and its offset ``m`` adds ``q . m`` to every score of that query
+  head. Keys and values are dequantized (exactly: ``code * s`` (+ ``m``)) a tile of
+  KEY_TILE rows at a time into a small float32 buffer, and the scores and the weighted
+  V sum run over the tiles in :mod:`._attn_ir`, 8 queries per pass over a key tile.
 
-Decode (T = 1) work items take every buffer (scores, rotated query heads, accumulator,
-a dequantized row) from a per-cache scratch (:func:`decode_scratch_q_shape`), so a decode step
-allocates nothing inside the kernels; prefill items allocate their own.
+Work items: a decode step, one per KV head (its query heads in the lanes; two halves
+when there is one KV head); a prefill, TOKEN_BLOCK tokens of one KV head's query heads.
+Every float a query's output depends on is computed in an order fixed per query (FMA
+chains in :mod:`._attn_ir`, ``row_max`` / ``row_sum`` in the softmax), so decode and
+prefill, serial and parallel, agree bit for bit (``tests/test_cpu_attn_tiles.py``).
+Decode work items take every buffer (scores, queries, accumulators, tiles) from a
+per-cache scratch (:func:`decode_scratch_q_shape`), so a decode step allocates nothing
+inside the kernels; prefill items allocate their own.
 
 Format selection is static: ``kmin is None`` means 8-bit symmetric K (int8, k8v4),
 ``vmin is None`` means 8-bit V with one scale per (token, head) (int8); Numba prunes the
@@ -33,7 +37,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._simd import f32_to_half, half_to_f32
-from .attention import _item_span, _softmax_inplace
+from ._attn_ir import scores8, vaccum
+from .attention import _softmax_inplace
 
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _F16_MAX = np.float32(65504.0)
@@ -136,59 +141,10 @@ def kv_write_q(kr, v, kq, ks, kmin, vq, vs, vmin, pos, start, g):
 
 
 # ---- attention over the codes ----------------------------------------------------------
-@njit(cache=True, fastmath=_FM, inline="always")
-def _scores8(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # s[g, j] = (qH).(kH)
-    gn, hd = qs.shape
-    for jj in range(n):
-        row = lo + jj
-        for g in range(gn):
-            acc = np.float32(0.0)
-            for j in range(ng):
-                b = j * gsz
-                a = np.float32(0.0)
-                for i in range(gsz):
-                    a += qs[g, b + i] * np.float32(kq[row, kh, b + i])
-                acc += a * half_to_f32(ks[row, kh, j])
-            s[g, jj] = acc
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _scores4(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # int4 K: row once
-    gn, hd = qs.shape  # row_f [hd]: one dequantized K row (scratch)
-    for jj in range(n):
-        row = lo + jj
-        _deq4_row(row_f, kq, ks, kmin, row, kh, gsz, ng)
-        for g in range(gn):
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += qs[g, d] * row_f[d]
-            s[g, jj] = acc
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _v_accum8(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # acc[g] += s[g] . V'
-    gn, hd = acc.shape
-    for jj in range(n):
-        row = lo + jj
-        vsc = half_to_f32(vs[row, kh])
-        for g in range(gn):
-            w = s[g, jj] * vsc
-            if w != 0:
-                for d in range(hd):
-                    acc[g, d] += w * np.float32(vq[row, kh, d])
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _v_accum4(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # as _v_accum8, int4 V
-    gn, hd = acc.shape  # row_f [hd]: one dequantized V row, shared by the gn heads
-    for jj in range(n):
-        row = lo + jj
-        _deq4_row(row_f, vq, vs, vmin, row, kh, gsz, ng)
-        for g in range(gn):
-            pj = s[g, jj]
-            if pj != 0:
-                for d in range(hd):
-                    acc[g, d] += pj * row_f[d]
+#: Keys per dequantized tile of a work item (K and V tiles: float32 [KEY_TILE, hdp]).
+KEY_TILE = 64
+#: Tokens per prefill work item (two 8-lane query blocks per head).
+TOKEN_BLOCK = 16
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
@@ -203,11 +159,27 @@ def _deq4_row(out, cq, cs, cm, row, kh, gsz, ng):  # packed codes * s + m -> out
             out[b + 2 * i + 1] = np.float32(c >> np.uint8(4)) * sc + mn
 
 
-def _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # pragma: no cover
+@njit(cache=True, fastmath=_FM, inline="always")
+def _deq8_k(out, kq, ks, row, kh, gsz, ng):  # code * s per group: exact (7 + 11 bits)
+    for j in range(ng):
+        b = j * gsz
+        sc = half_to_f32(ks[row, kh, j])
+        for i in range(gsz):
+            out[b + i] = np.float32(kq[row, kh, b + i]) * sc
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _deq8_v(out, vq, vs, row, kh, hd):  # code * s, one scale per (token, head): exact
+    sc = half_to_f32(vs[row, kh])
+    for d in range(hd):
+        out[d] = np.float32(vq[row, kh, d]) * sc
+
+
+def _deq_k(out, kq, ks, kmin, row, kh, gsz, ng):  # pragma: no cover - overloaded below
     raise NotImplementedError
 
 
-def _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):  # pragma: no cover
+def _deq_v(out, vq, vs, vmin, row, kh, gsz, ng):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -215,114 +187,187 @@ def _is_none(t):
     return t is None or isinstance(t, types.NoneType) or t == types.none
 
 
-@overload(_scores, inline="always", jit_options={"fastmath": _FM})
-def _ov_scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f):  # format by type
-    return _scores8.py_func if _is_none(kmin) else _scores4.py_func
+@overload(_deq_k, inline="always", jit_options={"fastmath": _FM})
+def _ov_deq_k(out, kq, ks, kmin, row, kh, gsz, ng):  # format by type
+    if _is_none(kmin):
+        return lambda out, kq, ks, kmin, row, kh, gsz, ng: _deq8_k(out, kq, ks, row, kh, gsz, ng)
+    return lambda out, kq, ks, kmin, row, kh, gsz, ng: _deq4_row(out, kq, ks, kmin, row, kh,
+                                                                 gsz, ng)
 
 
-@overload(_v_accum, inline="always", jit_options={"fastmath": _FM})
-def _ov_v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f):
-    return _v_accum8.py_func if _is_none(vmin) else _v_accum4.py_func
+@overload(_deq_v, inline="always", jit_options={"fastmath": _FM})
+def _ov_deq_v(out, vq, vs, vmin, row, kh, gsz, ng):
+    if _is_none(vmin):
+        return lambda out, vq, vs, vmin, row, kh, gsz, ng: _deq8_v(out, vq, vs, row, kh,
+                                                                   gsz * ng)
+    return lambda out, vq, vs, vmin, row, kh, gsz, ng: _deq4_row(out, vq, vs, vmin, row, kh,
+                                                                 gsz, ng)
 
 
 @njit(cache=True, inline="always")
-def _item_scratch_q(scr, item, gn, n, hd, ng):
-    """(s [gn, n], qs [gn, hd], acc [gn, hd], qsum [gn, ng], qm [gn], row_f [hd]) float32,
-    qs / acc / qsum / qm zeroed: views of ``scr[item]`` when that row is long enough
-    (decode, :func:`decode_scratch_q_shape`), else fresh arrays (prefill: O(S) per item)."""
-    need = gn * (n + 2 * hd + ng + 1) + hd
+def _split(t_n, hkv, grp):
+    """Query-head parts per KV head of a decode step: 2 when one KV head would leave a
+    thread idle, else 1 (a part's heads share one pass over the keys)."""
+    return 2 if (t_n == 1 and hkv == 1 and grp > 1) else 1
+
+
+@njit(cache=True, inline="always")
+def _n_items(t_n, hkv, grp):
+    if t_n == 1:
+        return hkv * _split(t_n, hkv, grp)
+    return hkv * ((t_n + TOKEN_BLOCK - 1) // TOKEN_BLOCK)
+
+
+@njit(cache=True, inline="always")
+def _span_q(item, t_n, hq, hkv):
+    """(kv head, first token, tokens, first query head, query heads) of a work item:
+    decode, a KV head's query heads (or half of them); prefill, TOKEN_BLOCK tokens of
+    all of a KV head's query heads, the token blocks in the order 0, last, 1, last - 1,
+    ... so that the threads' contiguous item ranges get equal causal work."""
+    grp = hq // hkv
+    if t_n == 1:
+        split = _split(t_n, hkv, grp)
+        kh = item // split
+        part = item % split
+        g0 = kh * grp + (part * grp) // split
+        return kh, 0, 1, g0, kh * grp + ((part + 1) * grp) // split - g0
+    nb = (t_n + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+    kh = item % hkv
+    b = item // hkv
+    blk = b // 2 if b % 2 == 0 else nb - 1 - b // 2
+    t0 = blk * TOKEN_BLOCK
+    return kh, t0, min(TOKEN_BLOCK, t_n - t0), kh * grp, grp
+
+
+@njit(cache=True, inline="always")
+def _key_range(p, linear, window, n_slots):
+    """(first key, keys) a query at position ``p`` attends over (ring: every slot)."""
+    if not linear:
+        return 0, n_slots
+    lo = max(0, p - window + 1) if window > 0 else 0
+    return lo, p + 1 - lo
+
+
+@njit(cache=True, inline="always")
+def _scratch_q(scr, item, nqp, nup, hdp):
+    """(s [nqp, nup], qt [nqp/8, hdp, 8], acc [nqp, hdp], qm [nqp], kt, vt [KEY_TILE, hdp])
+    float32, qt / acc / qm zeroed: views of ``scr[item]`` when that row is long enough
+    (decode, :func:`decode_scratch_q_shape`), else fresh arrays (prefill)."""
+    need = nqp * (nup + 2 * hdp + 1) + 2 * KEY_TILE * hdp
     if item < scr.shape[0] and need <= scr.shape[1]:
         row = scr[item]
-        s = row[:gn * n].reshape((gn, n))
-        b = gn * n
-        qs = row[b:b + gn * hd].reshape((gn, hd))
-        acc = row[b + gn * hd:b + 2 * gn * hd].reshape((gn, hd))
-        b += 2 * gn * hd
-        qsum = row[b:b + gn * ng].reshape((gn, ng))
-        qm = row[b + gn * ng:b + gn * ng + gn]
-        row_f = row[b + gn * ng + gn:need]
-        row[gn * n:b + gn * ng + gn] = 0  # qs, acc, qsum, qm
     else:
-        s = np.empty((gn, n), np.float32)
-        qs = np.zeros((gn, hd), np.float32)
-        acc = np.zeros((gn, hd), np.float32)
-        qsum = np.zeros((gn, ng), np.float32)
-        qm = np.zeros(gn, np.float32)
-        row_f = np.empty(hd, np.float32)
-    return s, qs, acc, qsum, qm, row_f
-
-
-def layer_arrays(cache, layer: int) -> tuple:
-    """(kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs) of a quantized host cache's
-    layer as :func:`kv_write_q` / :func:`attention_q` take them: float16 scales as their
-    uint16 bits (None where the format has none), ``kpos`` a ring's position table or
-    int64 [0], ``hmat`` the cache's rotation, int4's K channel offset and scale (else 0
-    and 1)."""
-    raw = cache.raw(layer)
-
-    def bits(name):
-        arr = raw.get(name)
-        return None if arr is None else arr.view(np.uint16)
-    pos = cache.positions(layer)
-    shp = (cache.n_kv_heads, cache.head_dim)
-    return (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
-            bits("v_min"), np.zeros(0, np.int64) if pos is None else pos, cache.rotation,
-            raw.get("k_off", np.zeros(shp, np.float32)),
-            raw.get("k_cs", np.ones(shp, np.float32)))
+        row = np.empty(need, np.float32)
+    s = row[:nqp * nup].reshape((nqp, nup))
+    b = nqp * nup
+    z = row[b:b + nqp * (2 * hdp + 1)]
+    z[:] = 0
+    qt = z[:nqp * hdp].reshape((nqp // 8, hdp, 8))
+    acc = z[nqp * hdp:2 * nqp * hdp].reshape((nqp, hdp))
+    qm = z[2 * nqp * hdp:]
+    b += nqp * (2 * hdp + 1)
+    kt = row[b:b + KEY_TILE * hdp].reshape((KEY_TILE, hdp))
+    vt = row[b + KEY_TILE * hdp:need].reshape((KEY_TILE, hdp))
+    return s, qt, acc, qm, kt, vt
 
 
 def decode_scratch_q_shape(cache, hq: int, hd: int) -> tuple[int, int]:
-    """Shape of the quantized-cache decode scratch for ``cache``: float32
-    ``[2 * Hkv, grp * (S + 2 hd + hd / G + 1) + hd]`` (``grp = Hq / Hkv``, ``S`` the most
-    slots of a layer, ``G`` the cache's group size), one row per decode work item
-    (:func:`_item_scratch_q`), so that a decode step allocates nothing here."""
-    hkv, g = cache.n_kv_heads, cache.group_size
+    """Shape of the quantized-cache decode scratch for ``cache``: float32 ``[items,
+    nqp * (S8 + 2 hdp + 1) + 2 KEY_TILE hdp]`` (``nqp`` a decode item's query heads
+    rounded up to 8, ``S8`` the most slots of a layer rounded up to 8, ``hdp`` = hd
+    rounded up to 8), one row per decode work item (:func:`_scratch_q`), so that a decode
+    step allocates nothing here."""
+    hkv = cache.n_kv_heads
+    grp = hq // hkv
+    split = 2 if (hkv == 1 and grp > 1) else 1
+    per_item = -(-grp // split)  # query heads of a decode item, rounded up
+    nqp = -(-per_item // 8) * 8
     n = max(getattr(cache, "slots", [cache.max_tokens]))
-    return 2 * hkv, (hq // hkv) * (n + 2 * hd + hd // g + 1) + hd
+    hdp = -(-hd // 8) * 8
+    return hkv * split, nqp * (-(-n // 8) * 8 + 2 * hdp + 1) + 2 * KEY_TILE * hdp
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start, scale,
-               window, softcap, split, scr):  # one (token, KV head, query-head half) item
+               window, softcap, scr):
+    """One work item (:func:`_span_q`): its queries (query head major, then token) sit in
+    8-lane blocks; scores and the V sum go through :mod:`._attn_ir` over dequantized
+    tiles of KEY_TILE keys, whose float order does not depend on the item's shape, so a
+    decode step and a prefill give the same floats for the same query."""
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
     gsz = hmat.shape[0]
     ng = hd // gsz
+    n_slots = kq.shape[0]
     linear = kpos.shape[0] == 0
-    t, kh, g0, gn, p, lo, n = _item_span(item, hq, hkv, split, kq.shape[0], linear, start,
-                                         window)
-    # qs: scaled, channel-scaled (c), rotated query heads; qm = q . m: int4's K channel
-    # offset (0 for 8-bit K); s scores; acc the weighted V sum; row_f one dequantized row
-    s, qs, acc, qsum, qm, row_f = _item_scratch_q(scr, item, gn, n, hd, ng)
-    for g in range(gn):
-        for j in range(ng):
-            b = j * gsz
-            for i in range(gsz):
-                qv = q[t, g0 + g, b + i] * scale
-                qm[g] += qv * koff[kh, b + i]
-                qv *= kcs[kh, b + i]
-                for c in range(gsz):
-                    qs[g, b + c] += qv * hmat[i, c]
-            tot = np.float32(0.0)
-            for c in range(gsz):
-                tot += qs[g, b + c]
-            qsum[g, j] = tot
-    _scores(s, qs, qsum, kq, ks, kmin, lo, n, kh, gsz, ng, row_f)
-    for g in range(gn):
-        for jj in range(n):
-            s[g, jj] += qm[g]
-    if not linear:
-        for jj in range(n):
-            kp = kpos[jj]
-            if kp < 0 or kp > p or (window > 0 and kp <= p - window):
-                for g in range(gn):
-                    s[g, jj] = -np.inf
-    for g in range(gn):
-        _softmax_inplace(s[g], softcap)
-    _v_accum(acc, s, lo, n, vq, vs, vmin, kh, gsz, ng, row_f)
-    for g in range(gn):
-        for d in range(hd):
-            out[t, g0 + g, d] = acc[g, d]
+    kh, t0, tn, g0, gn = _span_q(item, t_n, hq, hkv)
+    nq = tn * gn
+    nqp = (nq + 7) // 8 * 8
+    hdp = (hd + 7) // 8 * 8
+    u0, _ = _key_range(start + t0, linear, window, n_slots)
+    u_lo, u_n = _key_range(start + t0 + tn - 1, linear, window, n_slots)
+    u1 = u_lo + u_n
+    nup = (u1 - u0 + 7) // 8 * 8
+    s, qt, acc, qm, kt, vt = _scratch_q(scr, item, nqp, nup, hdp)
+    # the queries, scaled, channel-scaled (int4's c), rotated; qm = q . m (int4's offset)
+    qrow = kt[0]  # free until the first tile
+    for gl in range(gn):
+        for tl in range(tn):
+            qi = gl * tn + tl
+            qrow[:] = 0
+            for j in range(ng):
+                b = j * gsz
+                for i in range(gsz):
+                    qv = q[t0 + tl, g0 + gl, b + i] * scale
+                    qm[qi] += qv * koff[kh, b + i]
+                    qv *= kcs[kh, b + i]
+                    for c in range(gsz):
+                        qrow[b + c] += qv * hmat[i, c]
+            qb = qt[qi // 8]
+            for d in range(hd):
+                qb[d, qi % 8] = qrow[d]
+    if hdp > hd:  # pad channels: 0 in every tile
+        kt[:, hd:] = 0
+        vt[:, hd:] = 0
+    for kb in range(u0, u1, KEY_TILE):
+        nk = min(KEY_TILE, u1 - kb)
+        for m in range(nk):
+            _deq_k(kt[m], kq, ks, kmin, kb + m, kh, gsz, ng)
+        for m in range(nk, (nk + 7) // 8 * 8):
+            kt[m, :] = 0
+        for blk in range(nqp // 8):
+            scores8(s[blk * 8:blk * 8 + 8, kb - u0:], qt[blk], kt, nk)
+    for gl in range(gn):
+        for tl in range(tn):
+            qi = gl * tn + tl
+            p = start + t0 + tl
+            lo, n = _key_range(p, linear, window, n_slots)
+            row = s[qi, lo - u0:lo - u0 + n]
+            for jj in range(n):
+                row[jj] += qm[qi]
+            if not linear:
+                for jj in range(n):
+                    kp = kpos[jj]
+                    if kp < 0 or kp > p or (window > 0 and kp <= p - window):
+                        row[jj] = -np.inf
+            _softmax_inplace(row, softcap)
+    for kb in range(u0, u1, KEY_TILE):
+        nk = min(KEY_TILE, u1 - kb)
+        for m in range(nk):
+            _deq_v(vt[m], vq, vs, vmin, kb + m, kh, gsz, ng)
+        for gl in range(gn):
+            for tl in range(tn):
+                qi = gl * tn + tl
+                lo, n = _key_range(start + t0 + tl, linear, window, n_slots)
+                a = max(lo, kb)
+                e = min(lo + n, kb + nk)
+                if a < e:
+                    vaccum(acc[qi:qi + 1], s[qi:qi + 1, a - u0:], vt[a - kb:], e - a)
+    for gl in range(gn):
+        for tl in range(tn):
+            qi = gl * tn + tl
+            for d in range(hd):
+                out[t0 + tl, g0 + gl, d] = acc[qi, d]
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
@@ -345,10 +390,9 @@ def attention_q(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start
     """
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
-    split = 2 if (t_n == 1 and hq // hkv > 1) else 1
-    for item in prange(t_n * hkv * split):
+    for item in prange(_n_items(t_n, hkv, hq // hkv)):
         _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
-                   scale, window, softcap, split, scr)
+                   scale, window, softcap, scr)
 
 
 @njit(cache=True, fastmath=_FM)
@@ -357,6 +401,25 @@ def attention_q_serial(out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos
     """As :func:`attention_q` on the calling thread (short decode contexts: no fork/join)."""
     t_n, hq, hd = q.shape
     hkv = kq.shape[1]
-    for item in range(t_n * hkv):
+    for item in range(_n_items(t_n, hkv, hq // hkv)):
         _attn_item(item, out, q, hmat, kq, ks, kmin, vq, vs, vmin, koff, kcs, kpos, start,
-                   scale, window, softcap, 1, scr)
+                   scale, window, softcap, scr)
+
+
+def layer_arrays(cache, layer: int) -> tuple:
+    """(kq, ks, kmin, vq, vs, vmin, kpos, hmat, koff, kcs) of a quantized host cache's
+    layer as :func:`kv_write_q` / :func:`attention_q` take them: float16 scales as their
+    uint16 bits (None where the format has none), ``kpos`` a ring's position table or
+    int64 [0], ``hmat`` the cache's rotation, int4's K channel offset and scale (else 0
+    and 1)."""
+    raw = cache.raw(layer)
+
+    def bits(name):
+        arr = raw.get(name)
+        return None if arr is None else arr.view(np.uint16)
+    pos = cache.positions(layer)
+    shp = (cache.n_kv_heads, cache.head_dim)
+    return (raw["k_q"], bits("k_scale"), bits("k_min"), raw["v_q"], bits("v_scale"),
+            bits("v_min"), np.zeros(0, np.int64) if pos is None else pos, cache.rotation,
+            raw.get("k_off", np.zeros(shp, np.float32)),
+            raw.get("k_cs", np.ones(shp, np.float32)))
