@@ -248,3 +248,7 @@ class Backend(ABC):
     def concat_rows(self, parts: list[Any]) -> Any:
         """The [T_i, ...] tensors of ``parts`` stacked along the first axis."""
         return np.concatenate(parts)
+
+    def govern(self) -> None:
+        """Called by the model before each forward, on the thread that runs it (the CPU
+        backend adapts its thread count to contention there); a no-op by default."""

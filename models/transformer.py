@@ -202,6 +202,7 @@ class Transformer:
                 a cached prefix (computed with the short factors): re-run the whole
                 sequence from position 0 (as :class:`~edgeinfer.engine.Engine` does).
         """
+        self.backend.govern()  # the CPU backend's thread count, on this (the kernels') thread
         ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
         t = ids.shape[0]
         start = cache.length
@@ -288,6 +289,7 @@ class Transformer:
             if c.length + 1 > c.max_tokens:
                 raise ValueError(f"position {c.length} does not fit a cache of "
                                  f"{c.max_tokens} positions")
+        be.govern()
         rc = RowCaches(caches)
         be.rows_alone = True
         try:

@@ -62,6 +62,7 @@ from .elementwise import (
 )
 from .gemm import GemmPool, blas_core, gemm_dense, gemm_quant
 from .gemv import ActScratch, gemv_quant
+from .governor import ThreadGovernor
 from ._amx import HAVE_AMX
 from ._blockdot import BLOCKDOT
 from .qgemm import gemm_int
@@ -164,6 +165,7 @@ class CpuBackend(Backend):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = min(n, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(self.threads)
+        self.governor = ThreadGovernor(self.threads)  # fewer threads under contention
         self.exact_decode = bool(exact_decode)
         self.act_scratch = ActScratch()  # activation quantization buffers of the GEMVs
         self.releaser = ForwardReleaser()  # memory given back after forwards (see logits)
@@ -171,6 +173,12 @@ class CpuBackend(Backend):
         self._scr: dict = {}  # decode scratch buffers by (name, shape)
         self._file_tables: list = []  # embeddings left in a file view (upload_embedding)
         self._row_tables: list = []  # embeddings left as a file's blocks (BlockRows)
+
+    def govern(self) -> None:
+        """Set the calling thread's Numba thread count to the governor's choice
+        (:class:`.governor.ThreadGovernor`: fewer than :attr:`threads` while another
+        process takes cores; ``EDGEINFER_CPU_ADAPT_THREADS=0``: always :attr:`threads`)."""
+        self.governor.step()
 
     # ---- memory ----------------------------------------------------------------------
     def upload(self, a):
