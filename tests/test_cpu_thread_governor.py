@@ -118,13 +118,19 @@ def test_drop_keeps_the_cores_left_free():
     assert g.n == 2
 
 
-def test_no_probe_while_the_cores_stay_busy():
+def test_only_rare_blind_probes_while_the_cores_stay_busy():
     f = Fake(others=1, per=9.0)
     g = f.make()
-    f.run(20)
+    f.run(21)
     f.per = 0.4  # one thread beside a busy loop: it keeps its core
-    assert set(f.run(100_000)) == {1}  # 1100 s
-    assert g.probes == 0 and f.sets == [1]
+    ran = f.run(int(gv.BACKOFF_S[1] / DT))  # 64 s
+    assert set(ran) == {1} and g.probes == 0 and f.sets == [1]
+    f.per = 9.0  # what 2 threads meet beside the loop
+    ran = f.run(int(1000 / DT))
+    # a blind probe (one window of 5 steps) 64 s after the backoff, which doubles from
+    # 1 s to 64 s: probes 1, 67, 135, 207, 287, 383, 511, 639, ... s in: ~0.05% of the steps
+    assert 9 <= g.probes <= 11 and ran.count(2) == 5 * g.probes
+    assert g.drops == g.probes + 1
 
 
 def test_core_free_again_probe_after_backoff_and_hold():

@@ -20,8 +20,9 @@ count to the cores the others leave (at least one fewer). The first :data:`COLD_
 are not judged (first forwards load kernels: 4-25 switches at 0.65-0.7 measured quiet).
 A probe back up needs :data:`RISE_WINDOWS` windows in a row with a free core and the
 backoff since the last drop (:data:`BACKOFF_S`, doubled by each failed probe, reset by one
-that holds); a probe meeting contention drops at once. ``EDGEINFER_CPU_ADAPT_THREADS=0``:
-off (the configured count always).
+that holds); a probe meeting contention drops at once. With no free core seen, a probe
+still comes :data:`BACKOFF_S` [1] after the backoff (others may run at a lower priority).
+``EDGEINFER_CPU_ADAPT_THREADS=0``: off (the configured count always).
 """
 from __future__ import annotations
 
@@ -160,6 +161,8 @@ class ThreadGovernor:
         room = self._room()
         if room is None or room > self.n:
             self._free += 1
+        elif now >= self._next_probe + BACKOFF_S[1]:  # busy that long: probe blind (the
+            room, self._free = None, RISE_WINDOWS     # others may be niced, say)
         else:
             self._free = 0
         if self._free >= RISE_WINDOWS:
