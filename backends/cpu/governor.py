@@ -37,8 +37,9 @@ WINDOW_S = 0.05
 SWITCHES_PER_STEP = 2.0
 #: process CPU time / (wall time * threads) under which a window counts as contended
 UTIL_MAX = 0.85
-#: contended windows in a row before dropping threads
-DROP_WINDOWS = 2
+#: contended windows in a row before dropping threads (2 were seen in a row at nice -20
+#: beside a busy loop, where 2 threads still beat 1)
+DROP_WINDOWS = 3
 #: windows after construction left unjudged (first-use work looks like contention)
 COLD_WINDOWS = 2
 #: windows in a row with a free core before probing more threads
