@@ -276,3 +276,63 @@ _TOK = SIMD_TOKENS if HAVE_AVX2 else PORTABLE_TOKENS
 q4_tok1, q4_tok2, q4_tok3, q4_tok4 = (_TOK[(n, 4)] for n in range(1, 5))
 q5_tok1, q5_tok2, q5_tok3, q5_tok4 = (_TOK[(n, 5)] for n in range(1, 5))
 q8_tok1, q8_tok2, q8_tok3, q8_tok4 = (_TOK[(n, 8)] for n in range(1, 5))
+
+
+@intrinsic
+def finish_tokens(typingctx, y, t0, nt, sz, xg, bias):
+    """``y[t, r] = y[t, r] - zero_term(sz, r, xg[t]) (+ bias[r])`` for every row r of
+    ``y`` float32 [T, rows] and tokens ``t0 .. t0 + nt - 1`` (``nt`` <= 4): the floats of
+    :func:`.gemv._finish_rows` (the same lane sums and :func:`_hsum4` tree), each ``sz``
+    row loaded once for the tokens. ``sz`` float32 [rows, ng] (``ng`` may be 0) or
+    factored uint8, ``xg`` float32 [T, >= ng] with contiguous rows, ``bias`` float32
+    [rows] or [0]."""
+    sig = types.void(y, t0, nt, sz, xg, bias)
+
+    def codegen(context, builder, signature, args):
+        ty_y, _, _, ty_sz, ty_xg, ty_b = signature.args
+        a_y = context.make_array(ty_y)(context, builder, args[0])
+        a_sz = context.make_array(ty_sz)(context, builder, args[3])
+        a_xg = context.make_array(ty_xg)(context, builder, args[4])
+        a_b = context.make_array(ty_b)(context, builder, args[5])
+        i64 = ir.IntType(64)
+        t0v, ntv = args[1], args[2]
+        rows = cgutils.unpack_tuple(builder, a_y.shape, 2)[1]
+        ystride = builder.sdiv(cgutils.unpack_tuple(builder, a_y.strides, 2)[0],
+                               ir.Constant(i64, 4))
+        sz_fac = ty_sz.dtype == types.uint8
+        szw = cgutils.unpack_tuple(builder, a_sz.strides, 2)[0]
+        if not sz_fac:
+            szw = builder.sdiv(szw, ir.Constant(i64, 4))
+        ngv = (cgutils.unpack_tuple(builder, a_xg.shape, 2)[1] if sz_fac
+               else cgutils.unpack_tuple(builder, a_sz.shape, 2)[1])  # as zero_term
+        xgw = builder.sdiv(cgutils.unpack_tuple(builder, a_xg.strides, 2)[0],
+                           ir.Constant(i64, 4))
+        has_bias = builder.icmp_signed(">", cgutils.unpack_tuple(builder, a_b.shape, 1)[0],
+                                       ir.Constant(i64, 0))
+        # tokens past nt read token t0's rows (their results are not stored)
+        trows, xgrows = [], []
+        for t in range(4):
+            tt = builder.select(builder.icmp_signed("<", ir.Constant(i64, t), ntv),
+                                builder.add(t0v, ir.Constant(i64, t)), t0v)
+            trows.append(_gep(builder, a_y.data, builder.mul(tt, ystride)))
+            xgrows.append(_gep(builder, a_xg.data, builder.mul(tt, xgw)))
+        with cgutils.for_range(builder, rows) as loop:
+            row = loop.index
+            szr = _gep(builder, a_sz.data, builder.mul(row, szw))
+            zp = _hsum4(builder, zero_accs_ir(builder, szr, xgrows, ngv, sz_fac))
+            yv = ir.Constant(_V4F32, ir.Undefined)
+            for t in range(4):
+                yv = builder.insert_element(yv, builder.load(_gep(builder, trows[t], row)),
+                                            ir.Constant(_I32, t))
+            v = cgutils.alloca_once_value(builder, builder.fsub(yv, zp, flags=STRICT))
+            with builder.if_then(has_bias):
+                bv = _splat4(builder, builder.load(_gep(builder, a_b.data, row)))
+                builder.store(builder.fadd(builder.load(v), bv, flags=STRICT), v)
+            vv = builder.load(v)
+            for t in range(4):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, t), ntv)):
+                    builder.store(builder.extract_element(vv, ir.Constant(_I32, t)),
+                                  _gep(builder, trows[t], row))
+        return context.get_dummy_value()
+
+    return sig, codegen
