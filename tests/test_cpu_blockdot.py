@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu import CpuBackend, _amx, _blockdot, _simd, _simd_tokens, gemv, qgemm
+from edgeinfer.backends.cpu import CpuBackend, _amx, _blockdot, _simd, gemv, qgemm
 from edgeinfer.backends.cpu.gemv import _finish_rows, quantize_act
 from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored
 from test_cpu_kernels import random_q
@@ -172,42 +172,3 @@ def test_an_amx_cpu_runs_4_bit_linears_in_block_dot_numerics():
     assert (gemv.q4_rows4 is _K4) == _blockdot.BLOCKDOT
     if _blockdot.BLOCKDOT:
         assert np.array_equal(qgemm.gemm_int(x, h, None), blockdot)
-
-
-@njit
-def _finish_tok(y, t0, nt, sz, xg, bias):
-    _simd_tokens.finish_tokens(y, t0, nt, sz, xg, bias)
-
-
-@njit
-def _finish_one(y, sz, xg, bias):
-    for t in range(y.shape[0]):
-        _finish_rows(y[t], 0, y.shape[1], sz, xg[t], bias)
-
-
-@pytest.mark.parametrize("ng,factored", [(g, False) for g in (0, 1, 5, 8, 13, 38)]
-                         + [(g, True) for g in (1, 5, 8, 13, 38)])  # factored: ng >= 1
-def test_finish_tokens_gives_finish_rows_floats(ng, factored):
-    """The AMX GEMM's epilogue (4 tokens per zero-point row) writes exactly what the
-    decode's per-token ``_finish_rows`` does: float and factored zero points, bias or
-    none, 1-4 tokens per call, a token past the block left untouched."""
-    rng = np.random.default_rng(ng)
-    rows, t_n = 21, 7
-    if factored:
-        nsb = -(-ng // SUPER_GROUPS)
-        sz = pack_factored(rng.integers(-120, 120, (rows, ng)).astype(np.int8),
-                           (rng.random((rows, nsb)) * 1e-2).astype(np.float32), ng)
-    else:
-        sz = rng.standard_normal((rows, ng)).astype(np.float32)
-    xg = rng.standard_normal((t_n, ng)).astype(np.float32)
-    y0 = rng.standard_normal((t_n, rows)).astype(np.float32)
-    for bias in (np.zeros(0, np.float32), rng.standard_normal(rows).astype(np.float32)):
-        want = y0.copy()
-        _finish_one(want, sz, xg, bias)
-        assert not np.array_equal(want, y0) or ng == 0 and bias.shape[0] == 0
-        for nt in (1, 2, 3, 4):
-            got = y0.copy()
-            _finish_tok(got, 2, nt, sz, xg, bias)
-            assert np.array_equal(got[2:2 + nt].view(np.uint32),
-                                  want[2:2 + nt].view(np.uint32)), nt
-            assert np.array_equal(got[:2], y0[:2]) and np.array_equal(got[2 + nt:], y0[2 + nt:])

@@ -11,8 +11,7 @@ bit-identical to its decode GEMV. The exact integer block dots come from the til
   16 x 4 codes, the VNNI order of ``tdpbssd``) and its scales into ``[ng, 16]``;
 * per block two ``tdpbssd`` give ``C_h`` and ``C_l``, and ``D = 128 C_h + C_l`` is the
   exact dot of every (token, row) of the tile; then the float steps of :mod:`._blockdot`
-  on 16 rows at a time, the zero-point term and bias as :func:`.gemv._finish_rows` (its
-  floats, 4 tokens per zero-point row: :func:`._simd_tokens.finish_tokens`).
+  on 16 rows at a time, the zero-point term and bias by :func:`.gemv._finish_rows`.
 
 The kernel is LLVM IR inlined into Numba (``llvm.x86.ldtilecfg``, ``tileloadd64``,
 ``tdpbssd``, ``tilestored64``: Intel SDM vol. 1 ch. 18). Linux grants the tile state to
@@ -35,7 +34,6 @@ from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
 from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_value
-from ._simd_tokens import finish_tokens
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 
@@ -244,8 +242,8 @@ def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, zmul,
             t0 = tt * TILE
             amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, bmap, y, t0, min(TILE, t_n - t0),
                       r0, nr, cbuf, accs)
-    for tb in prange((t_n + 3) // 4):  # _finish_rows' floats, 4 tokens per sz row load
-        finish_tokens(y, tb * 4, min(4, t_n - tb * 4), sz, xg, bias)
+    for t in prange(t_n):
+        _finish_rows(y[t], 0, out, sz, xg[t], bias)
 
 
 _NO_BIAS = np.zeros(0, np.float32)
