@@ -27,8 +27,9 @@ class Fake:
     else 1.0), ``others`` runnable tasks besides this process's threads; :meth:`run` makes
     forwards of ``dt`` seconds."""
 
-    def __init__(self, others=0, per=0.0, util=None):
+    def __init__(self, others=0, per=0.0, util=None, seen_at_start=False):
         self.t, self.sw, self.others, self.per, self.util = 100.0, 0.0, others, per, util
+        self.seen_at_start = seen_at_start  # the others runnable at a generation's start
         self.cpu = 0.0
         self.threads = 2
         self.sets = []
@@ -41,7 +42,10 @@ class Fake:
         return int(self.sw), self.cpu
 
     def runnable(self):  # the reader and its spinning workers count, as in /proc/loadavg
-        return self.others + self.gov.n
+        g = self.gov
+        if g._last is None or self.t - g._last > gv.IDLE_S:  # a start: the workers sleep
+            return 1 + (self.others if self.seen_at_start else 0)
+        return self.others + g.n
 
     def set_threads(self, n):
         self.sets.append(n)
@@ -83,6 +87,21 @@ def test_contention_drops_to_the_free_cores_after_two_windows():
     # step 25
     assert ran[:25] == [2] * 25 and set(ran[25:]) == {1}
     assert g.drops == 1 and f.sets == [1] and f.threads == 1
+
+
+def test_a_generation_starts_on_the_free_cores():
+    """A competitor runnable when a generation starts: the first forward already runs on
+    the core it leaves (a short CLI run would end before the windows judge), and a later
+    generation on a quiet machine starts on every core again."""
+    f = Fake(others=1, per=0.4, seen_at_start=True)  # one thread beside a busy loop
+    g = f.make()
+    assert set(f.run(50)) == {1} and g.drops == 1 and f.sets == [1]
+    f.others = 0
+    f.t += 5.0  # idle, then a new request; the busy loop has ended
+    assert set(f.run(50)) == {2} and f.sets == [1, 2]
+    q = Fake(seen_at_start=True)  # nothing else runnable: no change
+    q.make()
+    assert set(q.run(50)) == {2} and q.sets == []
 
 
 def test_two_contended_windows_alone_do_not_drop():

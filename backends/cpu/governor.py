@@ -14,8 +14,10 @@ at ``nice -n -20``):
 * ``/proc/loadavg``'s runnable count (``os.pread`` on a kept fd, ~0.5 us; system-wide, as
   ``os.cpu_count()``): whether a core is free again.
 
-Policy: a window (at least :data:`WINDOW_S`) with both :data:`SWITCHES_PER_STEP` and
-utilization under :data:`UTIL_MAX` is contended; :data:`DROP_WINDOWS` in a row drop the
+Policy: a generation (the first forward, or one after an idle gap of :data:`IDLE_S`)
+starts on the cores the runnable count leaves free. Then a window (at least
+:data:`WINDOW_S`) with both :data:`SWITCHES_PER_STEP` and utilization under
+:data:`UTIL_MAX` is contended; :data:`DROP_WINDOWS` in a row drop the
 count to the cores the others leave (at least one fewer). The first :data:`COLD_WINDOWS`
 are not judged (first forwards load kernels: 4-25 switches at 0.65-0.7 measured quiet).
 A probe back up needs :data:`RISE_WINDOWS` windows in a row with a free core and the
@@ -128,6 +130,7 @@ class ThreadGovernor:
             now = self._clock()
             if self._t0 is None or now - self._last > IDLE_S:
                 (self._sw0, self._cpu0), self._t0, self._k = self._usage(), now, 0
+                self._start(now)
             elif now - self._t0 >= WINDOW_S:
                 self._judge(now)
             self._last = now
@@ -171,6 +174,23 @@ class ThreadGovernor:
             self._probing = True
             self.probes += 1
             self.n = self.max if room is None else min(self.max, room)
+
+    def _start(self, now: float) -> None:
+        """A generation starts (the first forward, or one after an idle gap): the workers
+        sleep, so the runnable tasks besides this thread are the others'; start on the
+        cores they leave (a short run would end before the windows judge a collapse)."""
+        r = self._runnable()
+        if r is None:
+            return
+        n = min(self.max, max(1, self.cpus - max(0, r - 1)))
+        if n == self.n:
+            return
+        self._hot = self._free = 0
+        self._probing = False
+        if n < self.n:
+            self.drops += 1
+            self._next_probe = now  # the usual windows with a free core bring it back
+        self.n = n
 
     def _room(self) -> int | None:
         """Threads the other runnable tasks leave a core for (None: unknown)."""
