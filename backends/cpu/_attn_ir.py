@@ -84,6 +84,14 @@ def _rows(context, builder, ty, val):
     return a.data, builder.sdiv(stride, ir.Constant(_I64, 4)), shape[0], shape[1]
 
 
+def _operands(context, builder, signature, args):
+    """The three 2-D arrays of a (3 arrays, count) intrinsic as :func:`_rows` tuples, and
+    the count as i64."""
+    arrs = [_rows(context, builder, signature.args[i], args[i]) for i in range(3)]
+    n = args[3] if args[3].type == _I64 else builder.sext(args[3], _I64)
+    return arrs, n
+
+
 def _vptr(builder, base, off):
     return builder.bitcast(builder.gep(base, [off]), _V8F32.as_pointer())
 
@@ -107,12 +115,9 @@ def scores8(typingctx, s, qt, kt, nk):
     sig = types.void(s, qt, kt, nk)
 
     def codegen(context, builder, signature, args):
-        ts, tq, tk, _ = signature.args
-        sp, sld, _, _ = _rows(context, builder, ts, args[0])
-        qp, _, hdp, _ = _rows(context, builder, tq, args[1])
-        kp, kld, _, _ = _rows(context, builder, tk, args[2])
+        ((sp, sld, _, _), (qp, _, hdp, _), (kp, kld, _, _)), nkv = _operands(
+            context, builder, signature, args)
         fma = _fma(builder)
-        nkv = builder.sext(args[3], _I64) if args[3].type != _I64 else args[3]
         nblk = builder.sdiv(builder.add(nkv, ir.Constant(_I64, 7)), ir.Constant(_I64, 8))
         zero = ir.Constant(_V8F32, [0.0] * 8)
         accs = [cgutils.alloca_once(builder, _V8F32) for _ in range(8)]
@@ -153,12 +158,9 @@ def vaccum(typingctx, acc, p, vt, nk):
     sig = types.void(acc, p, vt, nk)
 
     def codegen(context, builder, signature, args):
-        ta, tp, tv, _ = signature.args
-        ap, _, _, hdp = _rows(context, builder, ta, args[0])
-        pp, _, _, _ = _rows(context, builder, tp, args[1])
-        vp, vld, _, _ = _rows(context, builder, tv, args[2])
+        ((ap, _, _, hdp), (pp, _, _, _), (vp, vld, _, _)), nkv = _operands(
+            context, builder, signature, args)
         fma = _fma(builder)
-        nkv = builder.sext(args[3], _I64) if args[3].type != _I64 else args[3]
         nvec = builder.sdiv(hdp, ir.Constant(_I64, 8))
         full = builder.sdiv(nvec, ir.Constant(_I64, 8))  # passes of 8 vectors
 
@@ -187,77 +189,65 @@ def vaccum(typingctx, acc, p, vt, nk):
     return sig, codegen
 
 
+def _is_f32_1d_c(x):
+    return (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32
+            and x.layout == "C")
+
+
+def _lane_fold(context, builder, ty, val, init, vop, sop):
+    """Fold a C-contiguous float32 [n]: 8 lanes over the full vectors (``vop``, lane
+    ``l`` takes ``x[8 i + l]`` in order), the lanes by the tree ((0+1)+(2+3))+((4+5)+(6+7))
+    (``sop``), then the tail in order (``sop``); ``init`` the identity."""
+    a = context.make_array(ty)(context, builder, val)
+    n = cgutils.unpack_tuple(builder, a.shape, 1)[0]
+    acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F32, [init] * 8))
+    nv = builder.sdiv(n, ir.Constant(_I64, 8))
+    with cgutils.for_range(builder, nv) as it:
+        v = builder.load(_vptr(builder, a.data, builder.mul(it.index, ir.Constant(_I64, 8))),
+                         align=4)
+        builder.store(vop(builder.load(acc), v), acc)
+    av = builder.load(acc)
+    lanes = [builder.extract_element(av, ir.Constant(_I32, i)) for i in range(8)]
+    while len(lanes) > 1:
+        lanes = [sop(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    out = cgutils.alloca_once_value(builder, lanes[0])
+    tail0 = builder.mul(nv, ir.Constant(_I64, 8))
+    with cgutils.for_range(builder, builder.sub(n, tail0)) as it:
+        v = builder.load(builder.gep(a.data, [builder.add(tail0, it.index)]))
+        builder.store(sop(builder.load(out), v), out)
+    return builder.load(out)
+
+
 @intrinsic
 def row_max(typingctx, x):
-    """float32 max of a C-contiguous float32 [n] (n >= 1): 8 lanes of ``llvm.maxnum``,
-    then the lanes, then the tail; exact in any order (-inf entries allowed)."""
-    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32
-            and x.layout == "C"):
+    """float32 max of a C-contiguous float32 [n] (n >= 1) by ``llvm.maxnum``
+    (:func:`_lane_fold`): exact in any order (-inf entries allowed)."""
+    if not _is_f32_1d_c(x):
         return None
-    sig = types.float32(x)
 
     def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        n = cgutils.unpack_tuple(builder, a.shape, 1)[0]
+        mod = builder.module
         vmax = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V8F32, [_V8F32, _V8F32]), "llvm.maxnum.v8f32")
+            mod, ir.FunctionType(_V8F32, [_V8F32, _V8F32]), "llvm.maxnum.v8f32")
         smax = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_F32, [_F32, _F32]), "llvm.maxnum.f32")
-        ninf = ir.Constant(_F32, float("-inf"))
-        acc = cgutils.alloca_once(builder, _V8F32)
-        builder.store(ir.Constant(_V8F32, [float("-inf")] * 8), acc)
-        nv = builder.sdiv(n, ir.Constant(_I64, 8))
-        with cgutils.for_range(builder, nv) as it:
-            v = builder.load(_vptr(builder, a.data, builder.mul(it.index, ir.Constant(_I64, 8))),
-                             align=4)
-            builder.store(builder.call(vmax, [builder.load(acc), v]), acc)
-        out = cgutils.alloca_once(builder, _F32)
-        builder.store(ninf, out)
-        av = builder.load(acc)
-        for i in range(8):
-            builder.store(builder.call(smax, [builder.load(out),
-                                              builder.extract_element(av, ir.Constant(_I32, i))]),
-                          out)
-        tail0 = builder.mul(nv, ir.Constant(_I64, 8))
-        with cgutils.for_range(builder, builder.sub(n, tail0)) as it:
-            v = builder.load(builder.gep(a.data, [builder.add(tail0, it.index)]))
-            builder.store(builder.call(smax, [builder.load(out), v]), out)
-        return builder.load(out)
+            mod, ir.FunctionType(_F32, [_F32, _F32]), "llvm.maxnum.f32")
+        return _lane_fold(context, builder, signature.args[0], args[0], float("-inf"),
+                          lambda a, b: builder.call(vmax, [a, b]),
+                          lambda a, b: builder.call(smax, [a, b]))
 
-    return sig, codegen
+    return types.float32(x), codegen
 
 
 @intrinsic
 def row_sum(typingctx, x):
-    """float32 sum of a C-contiguous float32 [n] in a fixed order whatever the caller:
-    lane ``l`` of an <8 x float> adds ``x[8 i + l]`` for ``i = 0, 1, ...`` (full
-    vectors), the lanes add as ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
-    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32
-            and x.layout == "C"):
+    """float32 sum of a C-contiguous float32 [n] in the fixed order of :func:`_lane_fold`
+    whatever the caller (adds flagged :data:`_STRICT`: never reassociated)."""
+    if not _is_f32_1d_c(x):
         return None
-    sig = types.float32(x)
 
     def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        n = cgutils.unpack_tuple(builder, a.shape, 1)[0]
-        acc = cgutils.alloca_once(builder, _V8F32)
-        builder.store(ir.Constant(_V8F32, [0.0] * 8), acc)
-        nv = builder.sdiv(n, ir.Constant(_I64, 8))
-        with cgutils.for_range(builder, nv) as it:
-            v = builder.load(_vptr(builder, a.data, builder.mul(it.index, ir.Constant(_I64, 8))),
-                             align=4)
-            builder.store(builder.fadd(builder.load(acc), v, flags=_STRICT), acc)
-        av = builder.load(acc)
-        lanes = [builder.extract_element(av, ir.Constant(_I32, i)) for i in range(8)]
-        while len(lanes) > 1:
-            lanes = [builder.fadd(lanes[i], lanes[i + 1], flags=_STRICT)
-                     for i in range(0, len(lanes), 2)]
-        out = cgutils.alloca_once(builder, _F32)
-        builder.store(lanes[0], out)
-        tail0 = builder.mul(nv, ir.Constant(_I64, 8))
-        with cgutils.for_range(builder, builder.sub(n, tail0)) as it:
-            v = builder.load(builder.gep(a.data, [builder.add(tail0, it.index)]))
-            builder.store(builder.fadd(builder.load(out), v, flags=_STRICT), out)
-        return builder.load(out)
+        def add(a, b):
+            return builder.fadd(a, b, flags=_STRICT)
+        return _lane_fold(context, builder, signature.args[0], args[0], 0.0, add, add)
 
-    return sig, codegen
+    return types.float32(x), codegen
