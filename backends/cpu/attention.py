@@ -148,8 +148,8 @@ def item_scratch(scr, item, gn, n, hd):
 
 @njit(cache=True, inline="always")
 def _item_span(item, hq, hkv, split, n_slots, linear, start, window):
-    """The work of one (token, KV head, query-head part) item, shared by every cache dtype:
-    (t, kv head, first query head, query heads, position, first key, keys)."""
+    """The work of one (token, KV head, query-head part) item of the f32 / f16 cache
+    kernels: (t, kv head, first query head, query heads, position, first key, keys)."""
     grp = hq // hkv
     t = item // (hkv * split)
     kh = (item // split) % hkv

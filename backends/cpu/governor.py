@@ -1,17 +1,14 @@
 """Adapts the thread count of Numba's parallel regions while generating (issue 16).
 
 A decode step is ~60 parallel regions; a worker that another process keeps off its core
-makes the main thread wait a time slice at each region's barrier (SmolLM2-135M, 2 cores,
-one busy loop beside it: 5-12 tok/s on 2 threads, ~65 on 1).
+makes the main thread wait a time slice at each region's barrier.
 
-Signals, read once per forward (2-core KVM VM; "quiet": nothing taking our cores, measured
-at ``nice -n -20``):
+Signals, read once per forward (their measured values: benchmarks/MEASUREMENTS.md):
 
-* ``getrusage(RUSAGE_SELF)`` (~0.4 us): involuntary context switches per forward (decode:
-  0.3-0.4 quiet or on 1 thread beside a busy loop, 7-22 on 2 threads beside it; but 15-20
-  in one quiet 256-token prefill forward, so not alone) and CPU time / (wall x threads)
-  (0.98-1.0 quiet, the workers spin between regions; 0.5-0.6 on 2 threads beside the loop);
-* ``/proc/loadavg``'s runnable count (``os.pread`` on a kept fd, ~0.5 us; system-wide, as
+* ``getrusage(RUSAGE_SELF)``: involuntary context switches per forward (not alone: one
+  quiet long prefill forward has many) and CPU time / (wall x threads) (spinning workers
+  keep it near 1 when nothing competes);
+* ``/proc/loadavg``'s runnable count (``os.pread`` on a kept fd; system-wide, as
   ``os.cpu_count()``): whether a core is free again.
 
 Policy: a generation (the first forward, or one after an idle gap of :data:`IDLE_S`)
@@ -19,7 +16,7 @@ starts on the cores the runnable count leaves free. Then a window (at least
 :data:`WINDOW_S`) with both :data:`SWITCHES_PER_STEP` and utilization under
 :data:`UTIL_MAX` is contended; :data:`DROP_WINDOWS` in a row drop the
 count to the cores the others leave (at least one fewer). The first :data:`COLD_WINDOWS`
-are not judged (first forwards load kernels: 4-25 switches at 0.65-0.7 measured quiet).
+are not judged (the first forwards look contended while kernels load).
 A probe back up needs :data:`RISE_WINDOWS` windows in a row with a free core and the
 backoff since the last drop (:data:`BACKOFF_S`, doubled by each failed probe, reset by one
 that holds); a probe meeting contention drops at once. With no free core seen, a probe

@@ -207,9 +207,9 @@ def _ov_deq_v(out, vq, vs, vmin, row, kh, gsz, ng):
 
 @njit(cache=True, inline="always")
 def _split(t_n, hkv, grp):
-    """Query-head parts per KV head of a decode step: 2 for an odd number of KV heads
-    (SmolLM2's 3 on 2 threads: 6 items, 3 a thread, 103-111 tok/s against 100-109 with
-    3 items), else 1 (a part's heads share one pass over the keys)."""
+    """Query-head parts per KV head of a decode step: 2 for an odd number of KV heads (so
+    that 2 threads get equal items; measured in the README's run H), else 1 (a part's
+    heads share one pass over the keys)."""
     return 2 if (t_n == 1 and hkv % 2 == 1 and grp > 1) else 1
 
 
@@ -281,7 +281,7 @@ def decode_scratch_q_shape(cache, hq: int, hd: int) -> tuple[int, int]:
     step allocates nothing here."""
     hkv = cache.n_kv_heads
     grp = hq // hkv
-    split = 2 if (hkv % 2 == 1 and grp > 1) else 1
+    split = _split(1, hkv, grp)
     per_item = -(-grp // split)  # query heads of a decode item, rounded up
     nqp = -(-per_item // 8) * 8
     n = max(getattr(cache, "slots", [cache.max_tokens]))
