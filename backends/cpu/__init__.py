@@ -119,7 +119,8 @@ def kernel_paths() -> dict[str, str]:
     ``gemv`` (decode integer dots, :mod:`._simd`): ``"avx2"`` or ``"portable"``;
     ``qgemm`` (prefill on quantized weights, :mod:`.qgemm`: the same row kernels);
     on a CPU with AMX also ``gemv_q4`` / ``qgemm_q4``, the 4-bit weights' paths in the
-    block-dot numerics (:mod:`._blockdot`): ``"avx2-blockdot"`` rows, ``"amx"`` tiles;
+    block-dot numerics (:mod:`._blockdot`): ``"avx2-blockdot"`` rows, ``"amx"`` tiles
+    (from 4 tokens: :mod:`._amx_few`, :mod:`._amx`);
     ``gemm`` (dense weights and ``exact_decode``, :mod:`.gemm`): the BLAS library and
     the core its dispatch picked, e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
     (attention, elementwise, fused halves) for, e.g. ``"znver3"``.

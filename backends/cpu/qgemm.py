@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._amx import AMX_MIN_TOKENS, HAVE_AMX, gemm_amx, gemm_rows
+from ._amx_few import FEW_MIN_TOKENS, gemm_few
 from ._blockdot import BLOCKDOT
 from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q5_tok1, q5_tok2,
                            q5_tok3, q5_tok4, q8_tok1, q8_tok2, q8_tok3, q8_tok4)
@@ -89,6 +90,18 @@ def _gemm_int(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, bits, zmul):
 _NO_BIAS = np.zeros(0, np.float32)
 
 
+def q4_blockdot_path(t: int):
+    """The GEMM a 4-bit weight takes for ``t`` tokens on a CPU with AMX-INT8: the 16-token
+    tiles (:func:`._amx.gemm_amx`), the few-token tiles (:func:`._amx_few.gemm_few`), or
+    the row kernels (:func:`._amx.gemm_rows`: below 4 tokens, or without the OS's tile
+    permission). All give the same floats."""
+    if HAVE_AMX and t >= AMX_MIN_TOKENS:
+        return gemm_amx
+    if HAVE_AMX and t >= FEW_MIN_TOKENS:
+        return gemm_few
+    return gemm_rows
+
+
 def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.ndarray:
     """y[T, out] = x[T, in] @ W[out, in].T (+ bias), each row as :func:`.gemv.gemv_quant`.
 
@@ -102,8 +115,7 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
         their scales) lives for the call.
     """
     if BLOCKDOT and w.bits == 4:  # AMX hosts: the block-dot numerics of the 4-bit GEMV
-        tiles = HAVE_AMX and x.shape[0] >= AMX_MIN_TOKENS
-        return (gemm_amx if tiles else gemm_rows)(x, w, bias)
+        return q4_blockdot_path(x.shape[0])(x, w, bias)
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
