@@ -188,8 +188,10 @@ class Model:
         stall: on a fresh install (:attr:`kernels_cold`) this compiles the CPU backend's
         Numba kernels (15-60 s, cached on disk for later runs); on a warm cache it loads
         them from disk (about 0.4 s on 2 idle cores, over 1.5 s on a loaded machine),
-        which would otherwise count in the first answer's TTFT. What runs: a 3-token
-        prompt (the prefill path), two decode steps, the sampler's kernels for a full
+        which would otherwise count in the first answer's TTFT. What runs: prompts of
+        3, then 8 and 20 more tokens (every prefill GEMM shape: the row kernels, and on
+        CPUs with AMX the few-token and the 16-token tiles), a speculative verify of 4
+        tokens (logits of every row), two decode steps, the sampler's kernels for a full
         chain (temperature, top-k, top-p, min-p, repetition/presence penalties) and the
         token-mask kernels of constrained output; the KV cache is reset afterwards.
         Takes the model's lock, so a call made meanwhile waits for it.
@@ -208,13 +210,20 @@ class Model:
 
         say = progress or (lambda stage: None)
         t0 = time.perf_counter()
-        ids = (self.encode_prompt("Hello, world") + [0, 0, 0])[:3]
+        ids = (self.encode_prompt("Hello, world") + [0] * 35)[:35]
         sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                                  repetition_penalty=1.1, presence_penalty=0.1, seed=0)
         with self._exclusive():
             try:
                 say("prefill")
-                logits, _ = self.engine.prefill(ids)
+                eng = self.engine
+                sizes = [n for n in (3, 11, 31) if n < eng.n_ctx] or [min(3, eng.n_ctx)]
+                for n in sizes:  # 3 tokens, then 8 and 20 more (the prefix is reused)
+                    logits, _ = eng.prefill(ids[:n])
+                if sizes[-1] + 4 < eng.n_ctx and hasattr(eng.cache, "trim"):  # a verify
+                    eng.model.forward(np.array(ids[sizes[-1]:sizes[-1] + 4], np.int32),
+                                      eng.cache, all_logits=True)
+                    eng.cache.trim(sizes[-1])  # (logits of every row), undone
                 say("decode")
                 token = int(np.argmax(logits))
                 for _ in range(2):
@@ -224,7 +233,7 @@ class Model:
                 mask = np.full(mask_words(row.size), -1, np.int32)
                 for params in (sampled, SamplingParams(temperature=0.0)):
                     s = Sampler(row.size)
-                    s.start(params, ids)
+                    s.start(params, ids[:3])
                     for m in (None, mask):
                         s.accept(s.sample(row, np.random.default_rng(0), m))
             finally:

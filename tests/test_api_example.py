@@ -17,7 +17,7 @@ README_EXAMPLE = '''\
 import threading
 import edgeinfer
 
-model = edgeinfer.load("../shared/models/stories260K", backend="reference")
+model = edgeinfer.load("../shared/models/stories260K", backend="reference")  # or /work/shared/...
 
 # One call: the completion as a string (greedy unless you pass temperature).
 print(model.generate("Once upon a time", max_tokens=12))  # , there was a little girl named Lily. She
@@ -127,6 +127,27 @@ def test_warm_up_runs_the_kernels_and_leaves_an_empty_cache(model):
     assert seconds > 0
     assert model.engine.cached_ids == [] and model.engine.cache.length == 0
     assert model.generate("Once upon a time", max_tokens=8).startswith(", there was a little")
+
+
+def test_warm_up_runs_every_prefill_shape_and_a_verify(stories_q):
+    """Prompts of 3, 8 and 20 new tokens (on a CPU with AMX: the row kernels, the
+    few-token and the 16-token tiles, each compiled before the first answer, not in it), a
+    4-token forward with every row's logits (a speculative verify), then decode steps."""
+    from edgeinfer import api
+
+    m = api.Model(stories_q, backend="cpu", n_ctx=256)
+    seen = []
+    forward = m.engine.model.forward
+
+    def spy(ids, cache, all_logits=False, **kw):
+        seen.append((len(ids), bool(all_logits)))
+        return forward(ids, cache, all_logits=all_logits, **kw)
+
+    m.engine.model.forward = spy
+    m.warm_up()
+    assert seen[:4] == [(3, False), (8, False), (20, False), (4, True)]
+    assert seen[4:] == [(1, False)] * 3
+    assert m.engine.cached_ids == [] and m.engine.cache.length == 0
 
 
 #: llama.cpp's greedy completion of "Once upon a time," on stories260K.gguf (12 tokens);

@@ -1,6 +1,6 @@
 """The few-token AMX GEMM of 4-bit weights (backends/cpu/_amx_few.py): every (token, row)
-equals the block-dot decode GEMV of that token bit for bit, across token groups of 2 / 4
-/ 8 (with zero-padded tokens), rows past the last 16-row panel, groups of 32 / 96 / 128 /
+equals the block-dot decode GEMV of that token bit for bit, across token groups of 4 / 8
+(with zero-padded tokens), rows past the last 16-row panel, groups of 32 / 96 / 128 /
 per-row, factored (Q4_K) scales and bias; and the backend's 4-bit linear takes it for
 4 to 15 tokens where the OS grants the tiles."""
 from __future__ import annotations
@@ -56,11 +56,11 @@ def test_few_token_gemm_reads_factored_scales():
 
 
 def test_token_groups_cover_every_token_once():
-    assert _amx_few.token_groups(2) == [2]
+    assert _amx_few.token_groups(2) == [4]
     assert _amx_few.token_groups(3) == [4]
     assert _amx_few.token_groups(4) == [4]
     assert _amx_few.token_groups(5) == [8]
-    assert _amx_few.token_groups(9) == [8, 2]
+    assert _amx_few.token_groups(9) == [8, 4]
     assert _amx_few.token_groups(11) == [8, 4]
     assert _amx_few.token_groups(15) == [8, 8]
     for t in range(1, 40):

@@ -17,7 +17,7 @@ tiles, weights unpacked into B tiles once per call), the weights are the A opera
   lanes (row, token), 16 per vector, for the FMAs ``gacc = fma(float(D), dx, gacc)`` and
   ``acc = fma(gacc, sc, acc)``.
 
-Tokens go in groups of ``nt`` in {2, 4, 8} (a group's missing tokens are zero rows).
+Tokens go in groups of ``nt`` in {4, 8} (a group's missing tokens are zero rows).
 Against the row kernels (``benchmarks/MEASUREMENTS.md``): 0.9-1.4x at 4 tokens, 1.2-2.8x
 from 6; no gain at 2-3, so :data:`FEW_MIN_TOKENS` is 4.
 """
@@ -224,7 +224,7 @@ def _make_kernel(nt: int):
     return kernel
 
 
-_K2, _K4, _K8 = (_make_kernel(n) for n in (2, 4, 8))
+_K4, _K8 = (_make_kernel(n) for n in (4, 8))
 _ROWS1 = BLOCKDOT_ROWS[1]
 _POS = np.array(ACT_ORDER, np.int64)  # column k of a block is xq[32 b + ACT_ORDER[k]]
 
@@ -262,9 +262,7 @@ def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0
         for g in range(n_grp):
             t0 = t0s[g]
             tn = min(nts[g], t_n - t0)
-            if nts[g] == 2:
-                _K2(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g, :, :, :16], dxp[g, :, :2], bmap, nb)
-            elif nts[g] == 4:
+            if nts[g] == 4:
                 _K4(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g, :, :, :32], dxp[g, :, :4], bmap, nb)
             else:
                 _K8(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g], dxp[g], bmap, nb)
@@ -276,10 +274,10 @@ def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0
 
 
 def token_groups(t: int) -> list[int]:
-    """Group sizes (2, 4 or 8) for ``t`` tokens: 8 while more than 4 remain."""
+    """Group sizes (4 or 8) for ``t`` tokens: 8 while more than 4 remain."""
     groups = []
     while t > 0:
-        n = 8 if t > 4 else 4 if t > 2 else 2
+        n = 8 if t > 4 else 4
         groups.append(n)
         t -= min(n, t)
     return groups
