@@ -16,6 +16,7 @@ def cmd_serve(args) -> int:
               f"({e.name} is missing)", file=sys.stderr)
         return 1
     import contextlib
+    import signal
 
     from edgeinfer.model_store import server_state
 
@@ -36,6 +37,12 @@ def cmd_serve(args) -> int:
               f"{model.n_ctx} tokens, {par} in parallel) at {url}{key_note}; clients send "
               f"model=\"{name}\"; Ctrl-C stops", file=sys.stderr)
 
+    def on_term(signum, frame):  # uvicorn re-raises SIGTERM once it has shut down: the
+        state.close()            # run file goes, then the default action (exit by signal)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     with state:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
               log_level=str(args.log_level).lower(), default_max_tokens=args.max_tokens,

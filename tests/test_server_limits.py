@@ -338,9 +338,9 @@ def _free_port() -> int:
         return sk.getsockname()[1]
 
 
-def test_sigterm_ends_the_real_server_mid_generation_with_stuck_clients(stories_dir):
+def test_sigterm_ends_the_real_server_mid_generation_with_stuck_clients(stories_dir, tmp_path):
     port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EDGEINFER_HOME": str(tmp_path)}
     p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "-m", str(stories_dir),
                           "--backend", "reference", "--port", str(port), "--ctx", "2048"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -384,6 +384,7 @@ def test_sigterm_ends_the_real_server_mid_generation_with_stuck_clients(stories_
     err = p.stderr.read().decode()
     assert rc == -signal.SIGTERM, (rc, err)  # uvicorn re-raises the signal once it has shut down
     assert took < 5, (took, err)
+    assert (tmp_path / "run").is_dir() and not list((tmp_path / "run").glob("serve-*.json"))
     assert "Traceback" not in err, err
     print(f"SIGTERM to exit: {took:.2f} s; stderr:\n{err}")
 
