@@ -18,8 +18,8 @@ tiles, weights unpacked into B tiles once per call), the weights are the A opera
   ``acc = fma(gacc, sc, acc)``.
 
 Tokens go in groups of ``nt`` in {4, 8} (a group's missing tokens are zero rows).
-Against the row kernels (``benchmarks/MEASUREMENTS.md``): 0.9-1.4x at 4 tokens, 1.2-2.8x
-from 6; no gain at 2-3, so :data:`FEW_MIN_TOKENS` is 4.
+Against the row kernels (``benchmarks/MEASUREMENTS.md``): 1.1-1.7x at 4 tokens, 1.4-2.3x
+from 8; no gain at 2-3, so :data:`FEW_MIN_TOKENS` is 4.
 """
 from __future__ import annotations
 
