@@ -2,14 +2,19 @@
 
 usage:
   python benchmarks/gptq_profile.py MODEL --calib TEXT [-o OUT.eif] [--layers N]
+      [--n-calib N] [--calib-len L] [--float-hessians] [--no-act-order]
 
-Runs :func:`edgeinfer.quant.convert.convert` (method gptq) with timers wrapped around
-its phases: calibration ids (tokenize), the capture forward of each layer (Hessian
-accumulation included, also shown on its own), the backend ops of both forwards, the four
-solves (wall of the pool; inside them, summed over worker threads: the factor, the
-compiled block kernel), the propagating forward, and the final embedding table + write
-(indented names are parts of a line above; ``linear`` includes the fused groups). Prints one JSON object.
-``--layers N`` stops after N layers (no file written).
+Runs :func:`edgeinfer.quant.convert.convert` (method gptq, act-order as the CLI's
+default unless ``--no-act-order``) with timers wrapped around
+its phases: calibration ids (tokenize); the default true-sequential pass of each layer
+(one forward; inside it the Hessians and the solves, and in those the factor and the
+compiled block kernel); with ``--float-hessians`` (``true_sequential=False``) the
+capture forward (Hessian accumulation included), the four solves (summed over the pool's
+threads), the propagating forward instead; the backend ops of all forwards; the final embedding table + write
+(indented names are parts of a line above; ``linear`` includes the fused groups). Prints
+one JSON object: wall seconds per phase, and the process's CPU seconds (all threads) in
+total and per phase (phases that overlap on threads count each other's CPU). ``--layers N`` stops after N layers (no
+file written).
 """
 from __future__ import annotations
 
@@ -27,50 +32,62 @@ def main(argv=None) -> int:
     ap.add_argument("--calib", required=True)
     ap.add_argument("-o", "--out", default="/tmp/gptq_profile.eif")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--n-calib", type=int, default=None)
+    ap.add_argument("--calib-len", type=int, default=None)
+    ap.add_argument("--float-hessians", action="store_true")
+    ap.add_argument("--no-act-order", action="store_true")
     a = ap.parse_args(argv)
-    from edgeinfer.quant import calibrate as cal, convert as conv, gptq
+    from edgeinfer.quant import calibrate as cal, convert as conv, gptq, gptq_sequential as seq
 
     spent: dict[str, float] = collections.defaultdict(float)
+    spent_cpu: dict[str, float] = collections.defaultdict(float)
     lock = threading.Lock()
+
+    def cpu():
+        t = os.times()
+        return t.user + t.system
 
     def timed(name, fn):
         def wrapper(*args, **kw):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), cpu()
             try:
                 return fn(*args, **kw)
             finally:
                 with lock:
                     spent[name] += time.perf_counter() - t
+                    spent_cpu[name] += cpu() - c
         return wrapper
 
     conv.calibration_ids = timed("calibration_ids", conv.calibration_ids)
     cal.load_layer = timed("load_layer", cal.load_layer)
     run_layer = cal._run_layer
 
-    def run_layer_t(be, cfg, lw, i, x, rope, stats=None):
+    def run_layer_t(be, cfg, lw, i, x, rope, stats=None, **kw):
         if a.layers is not None and i >= a.layers:
             raise StopIteration
         name = "forward_capture" if stats is not None else "forward_propagate"
-        return timed(name, run_layer)(be, cfg, lw, i, x, rope, stats)
+        return timed(name, run_layer)(be, cfg, lw, i, x, rope, stats, **kw)
 
     cal._run_layer = run_layer_t
-    gptq.Hessian.add = timed("  hessian_add (in capture)", gptq.Hessian.add)
+    layer_pass = seq.gptq_layer
+
+    def layer_pass_t(be, cfg, lw, i, x, rope):
+        if a.layers is not None and i >= a.layers:
+            raise StopIteration
+        return timed("layer_pass (true-sequential)", layer_pass)(be, cfg, lw, i, x, rope)
+
+    seq.gptq_layer = layer_pass_t
+    seq.SequentialGPTQBackend._quantize = timed("  hessian + solve (in pass)",
+                                                 seq.SequentialGPTQBackend._quantize)
+    gptq.Hessian.add = timed("  hessian_add", gptq.Hessian.add)
     be_cls = cal.CalibrationBackend
     for op in ("attention", "linear", "glu", "rope", "rmsnorm"):
         setattr(be_cls, op, timed(f"  op {op} (both forwards)", getattr(be_cls, op)))
-    gptq.Hessian.H = property(timed("hessian_H (in solves)", gptq.Hessian.H.fget))
+    gptq.Hessian.H = property(timed("  hessian_H", gptq.Hessian.H.fget))
     cal.gptq_quantize = timed("  gptq_quantize (threads summed)", cal.gptq_quantize)
     gptq.hessian_factor = timed("    hessian_factor", gptq.hessian_factor)
     kern = gptq._block_kernel()
     gptq._block_kernel = lambda: timed("    block_kernel", kern)
-    pool_cls = cal._solver_pool
-
-    def pool_t():
-        p = pool_cls()
-        p.run = timed("solves (pool wall)", p.run)
-        return p
-
-    cal._solver_pool = pool_t
     conv.write_eif = timed("write_eif", conv.write_eif)
     conv._table = timed("embed_table", conv._table)
     if os.path.exists(a.out):
@@ -80,14 +97,21 @@ def main(argv=None) -> int:
         from edgeinfer.catalog import catalog_source
 
         src = catalog_source(src, progress=False)
-    t0 = time.perf_counter()
+    load = os.getloadavg()
+    t0, c0 = time.perf_counter(), os.times()
     try:
-        conv.convert(src, a.out, method="gptq", calib_path=a.calib, progress=False)
+        conv.convert(src, a.out, method="gptq", calib_path=a.calib, progress=False,
+                     n_calib=a.n_calib, calib_len=a.calib_len,
+                     act_order=not a.no_act_order, true_sequential=not a.float_hessians)
     except StopIteration:
         pass
-    total = time.perf_counter() - t0
-    print(json.dumps({"total_s": round(total, 2), "load_avg": os.getloadavg(),
-                      "phases_s": {k: round(v, 2) for k, v in spent.items()}}, indent=1))
+    total, c1 = time.perf_counter() - t0, os.times()
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    print(json.dumps({"total_s": round(total, 2), "cpu_s": round(cpu, 2),
+                      "load_avg_before": load, "load_avg_after": os.getloadavg(),
+                      "phases_s": {k: round(v, 2) for k, v in spent.items()},
+                      "phases_cpu_s": {k: round(v, 2) for k, v in spent_cpu.items()}},
+                     indent=1))
     return 0
 
 

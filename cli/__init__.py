@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: quantize columns in order of activation size (default on; "
                         "no run-time cost: the order is undone at convert time)")
+    s.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: one forward per layer, each linear's Hessian from its inputs "
+                        "with the layer's earlier linears quantized (default on; off: every "
+                        "Hessian from the float layer, two forwards per layer, slower)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("--json", action="store_true")

@@ -18,11 +18,14 @@ Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
   next layer's input, so later layers calibrate on the errors they will really see.
   Memory: one layer's weights + the activations ``[n_seq, seq_len, hidden]`` + capture
   statistics. Inside a layer the inputs of o_proj / down_proj come from the float layer
-  (not from quantized q/k/v), a documented simplification. The layer forwards run on
-  :class:`CalibrationBackend` (the reference ops, attention by BLAS matmuls), many
-  sequences per call (:data:`CHUNK_TOKENS` rows per GEMM); GPTQ's four solves of a layer
-  run on worker threads with one BLAS thread each. The lm_head is never run during
-  calibration.
+  (not from quantized q/k/v), a documented simplification; GPTQ by default instead runs
+  GPTQ's true-sequential order in a single forward per layer (:mod:`.gptq_sequential`:
+  each linear's Hessian from its input with the earlier linears quantized; all
+  calibration rows in one call, so memory holds one layer's full activations). The layer
+  forwards run on :class:`CalibrationBackend` (the reference ops, attention by BLAS
+  matmuls), many sequences per call (:data:`CHUNK_TOKENS` rows per GEMM), row-wise ops and
+  attention spread over worker threads (GPTQ); GPTQ's solves run on worker threads with
+  one BLAS thread each. The lm_head is never run during calibration.
 
 Cost (profiled with py-spy): with the searches vectorized (see :mod:`.awq`, :mod:`.gptq`)
 the two forwards per layer dominate; ``n_seq x seq_len`` sets that cost linearly. The
@@ -200,14 +203,18 @@ class CalibrationBackend(ReferenceBackend):
     * the row-wise ops (rmsnorm, rope, glu) in blocks of :data:`OP_ROWS` rows (temporaries
       in cache, not in memory: 3-8x faster on a chunk of 4096 rows, the same values);
     * q/k/v and gate/up as one GEMM on the rows stacked once at upload
-      (:meth:`group_linears`), split into views.
+      (:meth:`group_linears`), split into views;
+    * with ``pool`` (a :class:`~edgeinfer.backends.cpu.gemm.GemmPool`), the row blocks
+      and the sequences of the attention spread over its workers (one BLAS thread each;
+      numpy releases the GIL): the same values, every block computed alone either way.
 
     Any other call is the reference's."""
 
-    def __init__(self, **options):
+    def __init__(self, pool=None, **options):
         super().__init__(**options)
         self._masks: dict = {}
         self.seq_len: int | None = None
+        self.pool = pool
 
     def _mask(self, t: int, window: int | None) -> np.ndarray:
         """Additive causal (and sliding-window) mask [t, t]: 0 where visible, -inf elsewhere."""
@@ -245,14 +252,24 @@ class CalibrationBackend(ReferenceBackend):
     def _by_rows(self, fn, x, *rest):
         if len(x) <= OP_ROWS:
             return fn(x, *rest)
-        out = None
-        for r in range(0, len(x), OP_ROWS):
+        y = fn(x[:OP_ROWS], *[a[:OP_ROWS] for a in rest])
+        out = np.empty((len(x),) + y.shape[1:], y.dtype)
+        out[:OP_ROWS] = y
+
+        def block(r):
             s = slice(r, r + OP_ROWS)
-            y = fn(x[s], *[a[s] for a in rest])
-            if out is None:
-                out = np.empty((len(x),) + y.shape[1:], y.dtype)
-            out[s] = y
+            out[s] = fn(x[s], *[a[s] for a in rest])
+
+        self._each(block, range(OP_ROWS, len(x), OP_ROWS))
         return out
+
+    def _each(self, fn, items) -> None:
+        """``fn(item)`` for every item: on the pool's workers if there is one."""
+        if self.pool is None:
+            for it in items:
+                fn(it)
+        else:
+            self.pool.run(fn, items)
 
     def rmsnorm(self, x, w, eps, unit_offset=False):
         return self._by_rows(lambda xs: super(CalibrationBackend, self).rmsnorm(
@@ -272,9 +289,13 @@ class CalibrationBackend(ReferenceBackend):
         rows, hq, hd = q.shape
         t = self.seq_len if self.seq_len and rows % self.seq_len == 0 else rows
         out = np.empty((rows, hq, hd), np.float32)
-        for r in range(0, rows, t):  # one sequence at a time: its scores stay in cache
+        self._mask(t, window)  # made once, before any worker needs it
+
+        def one(r):  # one sequence at a time: its scores stay in cache
             s = slice(r, r + t)
             out[s] = self._attend_one(q[s], k[s], v[s], scale, window, softcap)
+
+        self._each(one, range(0, rows, t))
         return out
 
     def _attend_one(self, q, k, v, scale, window, softcap):
@@ -323,10 +344,11 @@ def _solver_pool():
 
 
 def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
-               stats=None) -> np.ndarray | None:
+               stats=None, per_chunk: bool = False) -> np.ndarray | None:
     """Run layer ``i`` on every calibration sequence x [N, L, D] and return its output; with
     ``stats``, only feed the captured linear inputs to ``stats(j, capture)`` (sequence
-    ``j``'s rows; the layer's last projection is skipped) and return None.
+    ``j``'s rows; with ``per_chunk``, once per chunk: ``j`` its first sequence, the rows of
+    all its sequences) (the layer's last projection is skipped) and return None.
 
     Sequences go through in chunks of ``CHUNK_TOKENS // L`` (one GEMM per linear per
     chunk, :class:`CalibrationBackend`'s batched attention); each sequence's values are
@@ -349,6 +371,9 @@ def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
                 cap: dict = {}
                 decoder_layer(be, cfg, lw, xs, pos, rope, cache, 0, i, capture=cap,
                               capture_only=True)
+                if per_chunk:
+                    stats(j0, cap)
+                    continue
                 for j in range(j0, j1):
                     r = (j - j0) * L
                     stats(j, {k: a[r:r + L] for k, a in cap.items()})
@@ -359,8 +384,8 @@ def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
 
 def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *, bits: int = 4,
                     group_size: int = 128, symmetric: bool = False, act_order: bool = False,
-                    n_search: int = 2048, on_layer: Callable[[int], None] | None = None
-                    ) -> tuple[dict[str, Any], dict]:
+                    n_search: int = 2048, on_layer: Callable[[int], None] | None = None,
+                    true_sequential: bool = True) -> tuple[dict[str, Any], dict]:
     """Quantize every decoder layer of ``source`` (module docstring: sequential driver).
 
     Args:
@@ -373,6 +398,10 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
         act_order: GPTQ column order (see :mod:`.gptq`).
         n_search: AWQ token sample size for the scale/clip searches.
         on_layer: called after each layer (progress bars).
+        true_sequential: GPTQ in one forward per layer, each group's Hessian from the
+            inputs with the earlier groups quantized (:mod:`.gptq_sequential`); False:
+            every Hessian from the float layer (a capture forward, then the quantized
+            layer's forward).
 
     Returns:
         ``(canonical name -> QuantizedTensor / float32 array, info)``; ``info["awq_alpha"]``
@@ -383,21 +412,30 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     """
     if method not in ("rtn", "grid", "signmax", "awq", "gptq", "mse"):
         raise ValueError(f"unknown method {method!r}; choose rtn, grid, signmax, awq, gptq or mse")
-    pool = _solver_pool() if method == "gptq" else None
+    pool = None if method in DATA_FREE else _solver_pool()
     try:
         return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
-                                n_search, on_layer, pool)
+                                n_search, on_layer, pool, true_sequential)
     finally:
         if pool is not None:
             pool.close()
 
 
 def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order, n_search,
-                     on_layer, pool):
+                     on_layer, pool, true_sequential):
+    from .gptq_sequential import SequentialGPTQBackend, gptq_layer
+
     cfg = source.config
     out: dict[str, Any] = {}
     info: dict = {"awq_alpha": {}}
-    be = CalibrationBackend()
+    be = CalibrationBackend(pool=pool)
+    names = None
+
+    def solve_group(key, w, H):  # a linear group of layer i (true-sequential GPTQ)
+        return gptq_quantize(w, H, bits, effective_group(w.shape[1], group_size), symmetric,
+                             act_order=act_order, name=names[key], pool=pool)
+
+    seq_be = SequentialGPTQBackend(solve_group, pool=pool)
     x = None
     if method not in DATA_FREE:
         emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
@@ -405,6 +443,15 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
         del emb
         L = ids.shape[1]
         ropes = {}
+
+    def rope_of(i):
+        theta = cfg.layer_rope_theta(i)
+        if theta not in ropes:  # LongRoPE: a window of L tokens uses the factors of L
+            switch = rope_switch(cfg)
+            cos, sin = rope_tables(cfg, L, theta, long=switch is not None and L > switch)
+            ropes[theta] = (be.upload(cos), be.upload(sin))
+        return ropes[theta]
+
     for i in range(cfg.num_hidden_layers):
         names = layer_tensor_names(i)
         lw = load_layer(source, i)
@@ -416,13 +463,10 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
             fn = quantize_grid if method == "grid" else quantize_signmax
             q = {k: (fn(v, effective_group(v.shape[1], group_size), symmetric, name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
+        elif method == "gptq" and true_sequential:  # one forward, quantizing as it goes
+            x, q = gptq_layer(seq_be, cfg, lw, i, x, rope_of(i))
         else:
-            theta = cfg.layer_rope_theta(i)
-            if theta not in ropes:  # LongRoPE: a window of L tokens uses the factors of L
-                switch = rope_switch(cfg)
-                cos, sin = rope_tables(cfg, L, theta, long=switch is not None and L > switch)
-                ropes[theta] = (be.upload(cos), be.upload(sin))
-            rope = ropes[theta]
+            rope = rope_of(i)
             n_tok = ids.size
             step = max(1, n_tok // n_search)
             if method == "gptq":
@@ -448,7 +492,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
                         a = np.asarray(cap[k], np.float32)
                         sums[k] += np.abs(a).sum(axis=0, dtype=np.float64)
                         samples[k].append(a[rows])
-            _run_layer(be, cfg, lw, i, x, rope, stats)
+            _run_layer(be, cfg, lw, i, x, rope, stats, per_chunk=method == "gptq")
             if method == "gptq":
                 q = dict(lw)
                 solved: dict[str, QuantizedTensor] = {}

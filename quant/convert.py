@@ -102,7 +102,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             embed_bits: int | None = None,
             calib_path: str | None = None, n_calib: int | None = None,
             calib_len: int | None = None, seed: int = 0, act_order: bool = False,
-            n_search: int = 2048, progress: bool = True, overwrite: bool = False) -> dict:
+            n_search: int = 2048, progress: bool = True, overwrite: bool = False,
+            true_sequential: bool = True) -> dict:
     """Quantize a model and write it as one self-contained ``.eif`` file.
 
     Args:
@@ -135,6 +136,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         n_search: AWQ token sample for its searches.
         progress: tqdm bar over layers (with ETA) on stderr.
         overwrite: replace an existing ``out_path`` (the CLI's ``--force``).
+        true_sequential: GPTQ's Hessians from the inputs with the layer's earlier linears
+            quantized, one forward per layer (:mod:`.gptq_sequential`); False: from the
+            float layer.
 
     Returns:
         report dict: out_path, method, bits, group_size, file_size, bits_per_weight (all
@@ -189,7 +193,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     try:
         tensors, info = quantize_layers(source, ids, method, bits=bits, group_size=group_size,
                                         symmetric=symmetric, act_order=act_order,
-                                        n_search=n_search,
+                                        n_search=n_search, true_sequential=true_sequential,
                                         on_layer=(lambda i: bar.update(1)) if bar else None)
     finally:
         if bar:
@@ -217,6 +221,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         "group_rule": "requested size, else the largest multiple of 32 below it dividing "
                       "in_features, else zero-padded; per tensor in 'quantization'",
         "embed_bits": embed_bits, "act_order": act_order, "seed": seed,
+        **({"true_sequential": true_sequential} if method == "gptq" else {}),
         "calibration": calib_desc,
     }
     if ids is not None and calib_path is None:

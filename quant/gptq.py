@@ -40,8 +40,9 @@ class Hessian:
     """Running ``H = 2/n · Σ xᵀx`` over calibration rows (float64 ``[in, in]``).
 
     Call :meth:`add` with each batch of layer inputs ``x [..., in]``; ``n`` counts rows.
-    Rows are buffered (copied) and multiplied ``batch_rows`` at a time: each product is
-    float32 (as the reference implementation; a symmetric rank-k update, numpy's
+    Rows are multiplied in batches: short adds are buffered until ``batch_rows`` rows are
+    pending; an add with none pending multiplies its whole batches of ``batch_rows`` rows in
+    place and buffers the rest. Each product is float32 (as the reference implementation; a symmetric rank-k update, numpy's
     ``x.T @ x``), summed in float64; :attr:`H` scales the sum once.
     """
 
@@ -58,13 +59,22 @@ class Hessian:
 
     def add(self, x: np.ndarray) -> None:
         """Accumulate inputs ``x [..., in]`` (any float dtype)."""
-        x = np.array(x, np.float32).reshape(-1, self._sum.shape[0])
+        x = np.asarray(x, np.float32).reshape(-1, self._sum.shape[0])
         if x.shape[0] == 0:
             return
         self.n += x.shape[0]
-        self._pending.append(x)
-        self._rows += x.shape[0]
-        if self._rows >= self.batch_rows:
+        b, r = self.batch_rows, 0
+        if not self._pending:  # whole batches straight from x (no copy)
+            while len(x) - r >= b:
+                xb = np.ascontiguousarray(x[r:r + b])
+                self._sum += xb.T @ xb
+                r += b
+            if r == len(x):
+                return
+        rest = x[r:].copy()  # x may be a view of a buffer the caller reuses
+        self._pending.append(rest)
+        self._rows += len(rest)
+        if self._rows >= b:
             self._flush()
 
     def _flush(self) -> None:
@@ -201,15 +211,16 @@ def _inner_block(g: int, act_order: bool) -> int:
 
 def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, *, act_order: bool = False, percdamp: float = 0.01,
-                  name: str = "") -> QuantizedTensor:
+                  name: str = "", pool=None) -> QuantizedTensor:
     """Quantize ``w [out, in]`` with GPTQ given the input Hessian ``H [in, in]``.
 
     Columns are processed in blocks of 32: inside a block, each column gets the updates of
     the block's earlier columns (:func:`hessian_factor`'s form; one compiled call per
     block, :func:`_quantize_block_py`) before it is rounded; after the block, one GEMM
-    updates every later column (the paper's lazy batch update, §4). The result equals the column-by-column algorithm up to
-    float32 rounding; weights, factor and updates are float32 (as the reference
-    implementation). Work is done on ``Wᵀ`` so a column is a contiguous row.
+    updates every later column (the paper's lazy batch update, §4). The result equals the
+    column-by-column algorithm up to float32 rounding; weights, factor and updates are
+    float32 (as the reference implementation). Work is done on ``Wᵀ`` so a column is a
+    contiguous row.
 
     Args:
         w: float weight ``[out, in]`` (rows are independent, so several linears that share
@@ -220,6 +231,9 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         act_order: process columns by decreasing ``diag(H)`` with static groups (module doc).
         percdamp: dampening as a fraction of ``mean(diag H)``.
         name: tensor name for messages.
+        pool: a :class:`~edgeinfer.backends.cpu.gemm.GemmPool`: the factor on one worker,
+            then the rows split in one slice per worker (rows are independent: the same
+            codes as one slice, see ``tests/test_gptq_speed.py``).
 
     Returns:
         QuantizedTensor with ``method="gptq"``.
@@ -256,11 +270,47 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         perm = np.arange(n_in)
     W0 = np.ascontiguousarray(W[:, perm].T)  # [n_in, out]: column j of W is row j here
     del W
-    Rt = hessian_factor(H, perm, percdamp)
-    del H
+    Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
+    loop = functools.partial(_column_loop, perm=perm, g=g, act_order=act_order, bits=bits,
+                             symmetric=symmetric)
+    if pool is None or pool.threads < 2 or out < 2 * pool.threads:
+        Rt = hessian_factor(H, perm, percdamp)
+        del H
+        loop(W0, Rt, S, Z, Qt)
+    else:
+        box = []
+        pool.run(lambda _: box.append(hessian_factor(H, perm, percdamp)), [0])
+        Rt = box[0]
+        del H
+        step = -(-out // pool.threads)
+
+        def part(o0):
+            sl = slice(o0, min(o0 + step, out))
+            s_, z_ = np.ascontiguousarray(S[:, sl]), np.ascontiguousarray(Z[:, sl])
+            q_ = np.empty((n_in, s_.shape[1]), np.float32)
+            loop(np.ascontiguousarray(W0[:, sl]), Rt, s_, z_, q_)
+            S[:, sl], Z[:, sl], Qt[:, sl] = s_, z_, q_
+
+        pool.run(part, range(0, out, step))
+
+    S64, Z64 = S.T.astype(np.float64), Z.T.astype(np.float64)
+    scales = storage_scales(S64, name)  # S holds storage-rounded values: exact
+    codes = np.empty((out, in_pad), np.uint8)
+    codes[:, perm] = Qt.T
+    if in_pad != n_in:
+        codes[:, n_in:] = np.repeat(Z64, g, axis=1)[:, n_in:]
+    zeros = None if symmetric else Z64
+    return assemble(codes, scales, zeros, bits, g, n_in, "gptq")
+
+
+def _column_loop(W0, Rt, S, Z, Qt, *, perm, g, act_order, bits, symmetric) -> None:
+    """GPTQ's column loop over ``W0 [n_in, out]`` (the permuted, transposed weight, any
+    subset of ``out``) with the factor ``Rt`` (:func:`hessian_factor`): fills the codes
+    ``Qt [n_in, out]`` and, with dynamic groups, the group parameters ``S``, ``Z``
+    ``[n_groups, out]`` (float32, storage-rounded)."""
+    n_in, out = W0.shape
     Wt = W0.copy()  # the columns with the updates of every finished block
     group_of = (perm // g).astype(np.int64)
-    Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
     b = _inner_block(g, act_order)
     D = np.empty((b, out), np.float32)  # w - deq of the block's columns (original w)
     quantize_block = _block_kernel()
@@ -279,12 +329,3 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
                        Qt, D)
         if i2 < n_in:
             Wt[i2:] += Rt[i1:i2, i2:].T @ D[:i2 - i1]
-
-    S64, Z64 = S.T.astype(np.float64), Z.T.astype(np.float64)
-    scales = storage_scales(S64, name)  # S holds storage-rounded values: exact
-    codes = np.empty((out, in_pad), np.uint8)
-    codes[:, perm] = Qt.T
-    if in_pad != n_in:
-        codes[:, n_in:] = np.repeat(Z64, g, axis=1)[:, n_in:]
-    zeros = None if symmetric else Z64
-    return assemble(codes, scales, zeros, bits, g, n_in, "gptq")
