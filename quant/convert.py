@@ -18,6 +18,7 @@ What is stored (see :mod:`edgeinfer.container`):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -95,6 +96,25 @@ def _table(w: np.ndarray, embed_bits: int, name: str, rows: int = 4096) -> Any:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (MiB; Linux ``ru_maxrss`` is KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@contextlib.contextmanager
+def small_pages():
+    """numpy's transparent-huge-page advice off while the block runs, restored after
+    (also on an exception). A calibration pass allocates and frees activation arrays of
+    tens to hundreds of MB per layer, and with the advice (numpy's default on Linux) their
+    page faults go through the kernel's huge-page compaction: half of a GPTQ convert's
+    system time (benchmarks/MEASUREMENTS.md). A numpy without the switch: no change."""
+    mod = getattr(getattr(np, "_core", None), "multiarray", None)
+    setter = getattr(mod, "_set_madvise_hugepage", None)
+    if setter is None:
+        yield
+        return
+    was = setter(False)  # returns the previous setting
+    try:
+        yield
+    finally:
+        setter(was)
 
 
 def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits: int = 4,
@@ -191,10 +211,11 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         bar = tqdm(total=cfg.num_hidden_layers, desc=f"{method} layers", unit="layer",
                    file=sys.stderr)
     try:
-        tensors, info = quantize_layers(source, ids, method, bits=bits, group_size=group_size,
-                                        symmetric=symmetric, act_order=act_order,
-                                        n_search=n_search, true_sequential=true_sequential,
-                                        on_layer=(lambda i: bar.update(1)) if bar else None)
+        with small_pages():
+            tensors, info = quantize_layers(
+                source, ids, method, bits=bits, group_size=group_size, symmetric=symmetric,
+                act_order=act_order, n_search=n_search, true_sequential=true_sequential,
+                on_layer=(lambda i: bar.update(1)) if bar else None)
     finally:
         if bar:
             bar.close()
