@@ -5,7 +5,7 @@ Usage::
     python benchmarks/quality.py [--model smollm2-135m-instruct] [--chunks 40]
         [--methods rtn,awq,gptq] [--n-calib 32] [--calib-len 512] [--act-order] [--out DIR]
     python benchmarks/quality.py --model M --llama [--llama-no-f32] --chunks N --out DIR
-    python benchmarks/quality.py --model M --gguf-native --chunks N --out DIR
+    python benchmarks/quality.py --model M --gguf-native [--native-ftypes Q4_0,Q6_K] --chunks N --out DIR
 
 For each row (baseline = the dequantized GGUF in float32 through the reference backend,
 then each converted ``.eif``) prints perplexity with llama.cpp's method (512-token chunks,
@@ -26,7 +26,10 @@ the row width is not a multiple of 256), scored with llama-cpp-python (``logits_
 our token ids (BOS written over each chunk's first token, second half scored).
 
 ``--gguf-native``: the GGUF with its block types re-laid (no float32 copy,
-:mod:`edgeinfer.readers.gguf_blocks`) on the CPU backend, against the baseline.
+:mod:`edgeinfer.readers.gguf_blocks`) on the CPU backend, against the baseline; with
+``--native-ftypes Q4_0,Q4_K_S,...`` instead llama.cpp's pure quantizations of the F32 GGUF
+(``OUT/MODEL.FTYPE.pure.gguf``), each row with its bits per weight in the file
+(:func:`gguf_bpw`) and as the CPU backend holds it (:func:`cpu_bpw`).
 
 Reading the GGUF uses ``edgeinfer.readers.read_model`` when it exists; otherwise a small
 lazy fallback below (gguf dequantize per tensor + llama.cpp Q/K row un-permutation; the
@@ -160,14 +163,17 @@ def f32_gguf(src: str, dst: str) -> str:
     return dst
 
 
-def llama_quantize(src_f32: str, dst: str, ftype: str = "Q4_0") -> str:
-    """llama.cpp's own quantizer (``llama_model_quantize``, default mix for ``ftype``)."""
+def llama_quantize(src_f32: str, dst: str, ftype: str = "Q4_0", pure: bool = False) -> str:
+    """llama.cpp's own quantizer (``llama_model_quantize``): the default mix for ``ftype``,
+    or with ``pure`` its one type for every 2-D tensor (``llama-quantize --pure``; a row not
+    a multiple of 256 still falls back: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0)."""
     import llama_cpp
 
     if not os.path.exists(dst):
         p = llama_cpp.llama_model_quantize_default_params()
         p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
         p.nthread = 2
+        p.pure = pure
         rc = llama_cpp.llama_model_quantize(src_f32.encode(), dst.encode(), p)
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({src_f32} -> {ftype}) failed: {rc}")
@@ -187,6 +193,25 @@ def gguf_bpw(path: str) -> dict:
         acc[1] += int(t.n_elements)
         acc[2].add(t.tensor_type.name)
     return {k: {"bpw": round(8 * b / n, 3), "types": sorted(ty)} for k, (b, n, ty) in by.items()}
+
+
+def cpu_bpw(path: str) -> dict:
+    """Bits per weight of a GGUF's 2-D tensors as the CPU backend holds them (each tensor
+    re-laid and repacked as at load, one at a time), by kind (``linear``,
+    ``embedding/head``)."""
+    from edgeinfer.backends.cpu import CpuBackend
+    from edgeinfer.readers import read_model
+
+    src, be, acc = read_model(path), CpuBackend(), {}
+    for name, shape in src.shapes.items():
+        if len(shape) != 2:
+            continue
+        table = "embed_tokens" in name or "lm_head" in name
+        w = (be.upload_embedding if table else be.upload_weight)(src.tensors[name])
+        a = acc.setdefault("embedding/head" if table else "linear", [0, 0])
+        a[0] += int(w.nbytes)
+        a[1] += int(np.prod(shape))
+    return {k: round(8 * b / n, 3) for k, (b, n) in acc.items()}
 
 
 def llama_ppl(gguf_path: str, token_src: str, chunks: int, kl_base: str | None = None) -> dict:
@@ -353,6 +378,10 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--gguf-native", action="store_true",
                     help="only the GGUF run natively (its own blocks, CPU backend) vs the baseline")
+    ap.add_argument("--native-ftypes",
+                    help="with --gguf-native: instead of the model's own file, llama.cpp's pure "
+                         "quantizations of its F32 GGUF (comma list of ftypes, e.g. "
+                         "Q4_0,Q4_K_S,Q6_K), each run natively")
     ap.add_argument("--_convert", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_ppl", help=argparse.SUPPRESS)
     ap.add_argument("--_save-logprobs", dest="save_logprobs", help=argparse.SUPPRESS)
@@ -395,10 +424,18 @@ def main() -> None:
     if base:
         rows.append({"row": "baseline (dequantized GGUF, f32)", **base})
         print(json.dumps(rows[-1]), flush=True)
-    if args.gguf_native:
-        res = child("--_ppl", model, "--_native-cpu",
+    files = [("GGUF native (CPU backend)", model)] if args.gguf_native else []
+    if args.gguf_native and args.native_ftypes:
+        stem = os.path.join(args.out, os.path.basename(model))
+        f32 = f32_gguf(model, stem + ".F32.gguf")
+        files = [(f"llama.cpp {ft} --pure, native (CPU backend)",
+                  llama_quantize(f32, f"{stem}.{ft}.pure.gguf", ft, pure=True))
+                 for ft in args.native_ftypes.split(",")]
+    for label, path in files:
+        res = child("--_ppl", path, "--_native-cpu",
                     *(["--_kl-base", base_lp] if os.path.exists(base_lp) else []))
-        row = {"row": "GGUF native (CPU backend)", **res}
+        row = {"row": label, **res, "bpw_gguf": gguf_bpw(path), "bpw_ram": cpu_bpw(path),
+               "file_size": os.path.getsize(path)}
         if base:
             row["dppl_pct"] = round(100 * (res["ppl"] / base["ppl"] - 1), 4)
         rows.append(row)
@@ -413,12 +450,14 @@ def main() -> None:
             row["dppl_pct"] = round(100 * (res["ppl"] / base["ppl"] - 1), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| row | PPL | ΔPPL | KL | top-1 | bpw (linears / all) | file MiB | convert s | peak RSS MiB |")
+    print("\n| row | PPL | ΔPPL | KL | top-1 | bpw (linears / all; a native GGUF: linears file/RAM) | file MiB | convert s | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bpw = r.get("bpw_linear", {})
         lin = bpw.get("attention"), bpw.get("mlp")
         kl = f"{r['kl']:.4f} | {100 * r['top1']:.1f}%" if "kl" in r else "— | —"
+        if "bpw_ram" in r:  # a native GGUF row: its linears in the file / in RAM
+            lin = r["bpw_gguf"]["linear"]["bpw"], r["bpw_ram"]["linear"]
         print(f"| {r['row']} | {r['ppl']:.3f} | {('%+.2f%%' % r['dppl_pct']) if 'dppl_pct' in r else '—'} | {kl} "
               f"| {lin[0] and f'{lin[0]:.2f}/{lin[1]:.2f}'} / {r.get('bpw_all_weights', '—')} "
               f"| {r.get('file_size', 0) / 2**20:.1f} | {r.get('convert_seconds', '—')} "
