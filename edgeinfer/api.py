@@ -186,7 +186,7 @@ class Model:
     def warm_up(self, progress=None) -> float:
         """Run every kernel a generation uses once, so the first real answer does not
         stall: on a fresh install (:attr:`kernels_cold`) this compiles the CPU backend's
-        Numba kernels (15-60 s, cached on disk for later runs); on a warm cache it loads
+        Numba kernels (about 30-90 s on 2 cores, cached on disk for later runs); on a warm cache it loads
         them from disk (about 0.4 s on 2 idle cores, over 1.5 s on a loaded machine),
         which would otherwise count in the first answer's TTFT. What runs: prompts of
         3, then 8 and 20 more tokens (every prefill GEMM shape: the row kernels, and on

@@ -80,6 +80,20 @@ _V16I32 = ir.VectorType(_I32, 16)
 _V16F32 = ir.VectorType(ir.FloatType(), 16)
 
 
+def tile_ops(mod) -> tuple:
+    """LLVM declarations in ``mod`` of the tile instructions the kernels use: ``ldtilecfg``,
+    ``tilerelease``, ``tilezero``, ``tileloadd64``, ``tilestored64``, ``tdpbssd``, and
+    ``llvm.fmuladd.v16f32`` (their float steps)."""
+    i8p, i64, void = _I8.as_pointer(), ir.IntType(64), ir.VoidType()
+    return (_declare(mod, "llvm.x86.ldtilecfg", void, [i8p]),
+            _declare(mod, "llvm.x86.tilerelease", void, []),
+            _declare(mod, "llvm.x86.tilezero", void, [_I8]),
+            _declare(mod, "llvm.x86.tileloadd64", void, [_I8, i8p, i64]),
+            _declare(mod, "llvm.x86.tilestored64", void, [_I8, i8p, i64]),
+            _declare(mod, "llvm.x86.tdpbssd", void, [_I8, _I8, _I8]),
+            _declare(mod, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32]))
+
+
 @intrinsic
 def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbuf, accs):
     """One 16-row panel x one 16-token tile: ``y[t0 + t, r0 + n] = acc`` (the
@@ -102,15 +116,7 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbu
         i64 = ir.IntType(64)
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
         i8p = _I8.as_pointer()
-        mod = builder.module
-        void = ir.VoidType()
-        ldcfg = _declare(mod, "llvm.x86.ldtilecfg", void, [i8p])
-        release = _declare(mod, "llvm.x86.tilerelease", void, [])
-        tzero = _declare(mod, "llvm.x86.tilezero", void, [_I8])
-        tload = _declare(mod, "llvm.x86.tileloadd64", void, [_I8, i8p, i64])
-        tstore = _declare(mod, "llvm.x86.tilestored64", void, [_I8, i8p, i64])
-        dpb = _declare(mod, "llvm.x86.tdpbssd", void, [_I8, _I8, _I8])
-        fmuladd = _declare(mod, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+        ldcfg, release, tzero, tload, tstore, dpb, fmuladd = tile_ops(builder.module)
         t8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
         nb = cgutils.unpack_tuple(builder, a_ah.shape, 3)[0]
         ahp = builder.bitcast(a_ah.data, i8p)

@@ -29,8 +29,9 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._amx import tile_ops
 from ._blockdot import BLOCKDOT_ROWS
-from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_scale
+from ._simd import _I8, _I32, ACT_ORDER, _gep, group_scale
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 #: Weight rows per panel (the A tile's rows).
@@ -67,15 +68,7 @@ def _make_kernel(nt: int):
             c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
             t8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
             i8p = _I8.as_pointer()
-            mod = builder.module
-            void = ir.VoidType()
-            ldcfg = _declare(mod, "llvm.x86.ldtilecfg", void, [i8p])
-            release = _declare(mod, "llvm.x86.tilerelease", void, [])
-            tzero = _declare(mod, "llvm.x86.tilezero", void, [_I8])
-            tload = _declare(mod, "llvm.x86.tileloadd64", void, [_I8, i8p, i64])
-            tstore = _declare(mod, "llvm.x86.tilestored64", void, [_I8, i8p, i64])
-            dpb = _declare(mod, "llvm.x86.tdpbssd", void, [_I8, _I8, _I8])
-            fmuladd = _declare(mod, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+            ldcfg, release, tzero, tload, tstore, dpb, fmuladd = tile_ops(builder.module)
             wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
             srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
             ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
