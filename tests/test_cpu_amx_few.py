@@ -5,14 +5,11 @@ per-row, factored (Q4_K) scales and bias; and the backend's 4-bit linear takes i
 4 to 15 tokens where the OS grants the tiles."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from edgeinfer.backends.cpu import CpuBackend, _amx, _amx_few, qgemm
-from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored
-from test_cpu_blockdot import _gemv_rows
+from test_cpu_blockdot import _gemv_rows, factored_pair
 from test_cpu_kernels import random_q
 
 CPU = CpuBackend(threads=2)
@@ -42,14 +39,8 @@ def test_few_token_gemm_equals_the_gemv_row_by_row(out, n_in, group, sym):
 
 @needs_tiles
 def test_few_token_gemm_reads_factored_scales():
-    rng = np.random.default_rng(5)
-    out, n_in = 48, 768
-    h = CPU.upload_weight(random_q(rng, out, n_in, 4, 32, sym=False))
-    nb = h.n_blocks
-    q = rng.integers(-60, 64, (out, nb)).astype(np.int8)
-    d = (rng.random((out, -(-nb // SUPER_GROUPS))) * 1e-3).astype(np.float32)
-    hf = dataclasses.replace(h, sc=pack_factored(q, d, nb))
-    x = rng.standard_normal((6, n_in)).astype(np.float32)
+    h, hf, rng = factored_pair(5, 48)
+    x = rng.standard_normal((6, h.in_features)).astype(np.float32)
     y = _amx_few.gemm_few(x, hf, None)
     assert _same(y, _amx.gemm_rows(x, hf, None))
     assert not np.array_equal(y, _amx_few.gemm_few(x, h, None))  # the scales were read

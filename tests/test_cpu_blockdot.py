@@ -142,17 +142,22 @@ def test_gemm_equals_the_gemv_row_by_row(out, n_in, group, sym, t_n):
             assert np.array_equal(paths[-1](x[t:t + 1], h, bias)[0], want[t])
 
 
-def test_amx_gemm_reads_factored_scales():
-    if not _amx.HAVE_AMX:
-        pytest.skip("this CPU or OS gives no AMX tiles")
-    rng = np.random.default_rng(3)
-    out, n_in = 40, 768
+def factored_pair(seed: int, out: int, n_in: int = 768):
+    """A random 4-bit g32 weight and the same codes with factored (Q4_K-style) scales;
+    returns (plain, factored, rng)."""
+    rng = np.random.default_rng(seed)
     h = CPU.upload_weight(random_q(rng, out, n_in, 4, 32, sym=False))
     nb = h.n_blocks
     q = rng.integers(-60, 64, (out, nb)).astype(np.int8)
     d = (rng.random((out, -(-nb // SUPER_GROUPS))) * 1e-3).astype(np.float32)
-    hf = dataclasses.replace(h, sc=pack_factored(q, d, nb))
-    x = rng.standard_normal((20, n_in)).astype(np.float32)
+    return h, dataclasses.replace(h, sc=pack_factored(q, d, nb)), rng
+
+
+def test_amx_gemm_reads_factored_scales():
+    if not _amx.HAVE_AMX:
+        pytest.skip("this CPU or OS gives no AMX tiles")
+    h, hf, rng = factored_pair(3, 40)
+    x = rng.standard_normal((20, h.in_features)).astype(np.float32)
     assert np.array_equal(_amx.gemm_amx(x, hf, None), _amx.gemm_rows(x, hf, None))
     assert not np.array_equal(_amx.gemm_amx(x, hf, None), _amx.gemm_amx(x, h, None))
 
