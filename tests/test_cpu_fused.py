@@ -37,10 +37,6 @@ def _qkv_case(rng, d, hq, hkv, hd, group, bias, rdim=None):
     return qs, bs, cos, sin, nw, x
 
 
-def _arrays(w):
-    return (w.wp, w.sc, w.sz, w.bmap)
-
-
 # ---- the fused halves (backends/cpu/fused.py) ------------------------------------------
 @pytest.mark.parametrize("d,hq,hkv,hd,group,bias,rdim,threads", [
     (64, 8, 4, 8, 32, False, None, 2),      # stories260K-like
@@ -68,7 +64,7 @@ def test_qkv_rope_vs_reference(d, hq, hkv, hd, group, bias, rdim, threads):
     w = g.weight
     y = np.zeros(w.out_features, np.float32)
     fn = fused.qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else fused.qkv_rope_par
-    fn(y, x, nw, 1e-5, False, np.zeros(d, np.float32), _arrays(w),
+    fn(y, x, nw, 1e-5, False, np.zeros(d, np.float32), plan.weight_arrays(w),
        np.zeros(0, np.float32) if g.bias is None else g.bias,
        cpu.act_scratch.get(w.n_blocks, w.n_groups), cos, sin, 11, hq, hkv, hd)
     got = (y[:hq * hd].reshape(1, hq, hd), y[hq * hd:(hq + hkv) * hd].reshape(1, hkv, hd),
@@ -115,8 +111,8 @@ def test_out_mlp_vs_reference(d, f, group, act, threads):
     nob = tuple(np.zeros(n, np.float32) for n in (d, d, 2 * f, f))
 
     def call(xin):
-        fn(xo, xin, a, nw, 1e-5, True, act == "gelu_tanh", _arrays(wo), _arrays(w),
-           _arrays(wd), *(cpu.act_scratch.get(v.n_blocks, v.n_groups) for v in (wo, w, wd)),
+        fn(xo, xin, a, nw, 1e-5, True, act == "gelu_tanh", plan.weight_arrays(wo), plan.weight_arrays(w),
+           plan.weight_arrays(wd), *(cpu.act_scratch.get(v.n_blocks, v.n_groups) for v in (wo, w, wd)),
            nob, np.zeros(0, np.float32))
         return xo.copy()
 

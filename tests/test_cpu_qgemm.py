@@ -40,11 +40,16 @@ def _act_oracle(x: np.ndarray, nb: int):
     return q, d
 
 
+def _floats(a: np.ndarray) -> np.ndarray:
+    """A repacked weight's scale / zero-term array as float64 (uint16: fp16 bits)."""
+    return (a.view(np.float16) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
 def _oracle(qt, h: CpuQuantWeight, x: np.ndarray) -> np.ndarray:
     nb, k = h.n_blocks, qt.in_features
     codes = np.zeros((qt.out_features, nb * 32), np.int64)
     codes[:, :k] = qt.codes()[:, :k] if qt.bits == 4 else qt.qweight[:, :k]
-    sc, sz = h.sc.astype(np.float64), h.sz.astype(np.float64)
+    sc, sz = _floats(h.sc), _floats(h.sz) * h.zero_scale  # zero_scale: 8 where sz is sc
     out = np.empty((x.shape[0], qt.out_features))
     for t in range(x.shape[0]):
         q, d = _act_oracle(x[t], nb)

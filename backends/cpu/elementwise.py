@@ -191,13 +191,24 @@ def dequant_rows_q4(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale
     ``out`` float32 [R, K] with K <= the padded width; ``wp`` uint8 [out, nb*16].
     Releases the GIL (prefill runs it on several Python threads).
     """
+    _dequant_q4(out, wp, sc, sz, bmap, rows, scale, np.float32(1.0))
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def dequant_rows_q4_sym(out, wp, sc, sz, bmap, rows, scale):  # W4[rows, :K] * scale -> out[R, K]
+    """As :func:`dequant_rows_q4` for a symmetric weight (``sz`` is ``sc``, zero 8)."""
+    _dequant_q4(out, wp, sc, sz, bmap, rows, scale, np.float32(8.0))
+
+
+@njit(cache=True, fastmath=True, nogil=True, inline="always")
+def _dequant_q4(out, wp, sc, sz, bmap, rows, scale, zmul):
     k = out.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
         for b in range((k + 31) // 32):
             g = bmap[b]
             s = group_value(sc, r, g, bmap.shape[0])
-            z = group_value(sz, r, g, bmap.shape[0])
+            z = group_value(sz, r, g, bmap.shape[0]) * zmul  # exact: zmul is 1 or 8
             base = (b // 2) * 32
             sh = np.uint8(4 * (b % 2))
             n = min(32, k - b * 32)

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from .elementwise import _rmsnorm_row, _rope_token, glu_row
-from .gemv import _q4_block, quantize_act
+from .gemv import _q4_block, _times, quantize_act
 
 
 @njit(cache=True)
@@ -45,14 +45,16 @@ def _rope_qk(y, cos, sin, pos, nq, nk, hd):  # RoPE on y[:nq*hd] and y[nq*hd:(nq
 def qkv_rope_par(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd):
     """``y[(nq + 2 nk) * hd] = RoPE_qk(Wqkv @ rmsnorm(x[0]) + bias)``, rows across threads.
 
-    ``x`` [1, D]; ``nw``, ``h`` (scratch) [D]; ``w`` = (wp, sc, sz, bmap) of the fused 4-bit
-    weight (:class:`~.repack.CpuQuantWeight` arrays); ``bias`` [rows] or [0]; ``act`` = (xq, dx, xg) scratch for D inputs;
+    ``x`` [1, D]; ``nw``, ``h`` (scratch) [D]; ``w`` = (wp, sc, sz, bmap, zero_scale) of the fused
+    4-bit weight (:class:`~.repack.CpuQuantWeight` arrays; the group sums are scaled by
+    ``zero_scale``, 1 or 8); ``bias`` [rows] or [0]; ``act`` = (xq, dx, xg) scratch for D inputs;
     ``cos``/``sin`` [P, r/2]; ``pos`` int position.
     """
-    wp, sc, sz, bmap = w
+    wp, sc, sz, bmap, zm = w
     xq, dx, xg = act
     _rmsnorm_row(h, x[0], nw, np.float32(eps), off)
     quantize_act(xq, dx, xg, h, bmap)
+    _times(xg, zm)
     out = y.shape[0]
     nblk = out // 4
     for i in prange(nblk + out - nblk * 4):
@@ -63,10 +65,11 @@ def qkv_rope_par(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd)
 @njit(cache=True, fastmath=True)
 def qkv_rope_ser(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd):
     """As :func:`qkv_rope_par` on the calling thread."""
-    wp, sc, sz, bmap = w
+    wp, sc, sz, bmap, zm = w
     xq, dx, xg = act
     _rmsnorm_row(h, x[0], nw, np.float32(eps), off)
     quantize_act(xq, dx, xg, h, bmap)
+    _times(xg, zm)
     out = y.shape[0]
     nblk = out // 4
     for i in range(nblk + out - nblk * 4):
@@ -78,14 +81,15 @@ def qkv_rope_ser(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd)
 def out_mlp_par(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0):
     """``xo[0] = x1 + Wd @ act_glu(Wgu @ rmsnorm(x1))`` with ``x1 = x[0] + Wo @ a[0]``.
 
-    ``xo``, ``x`` [1, D], ``a`` [1, Hq * hd]; ``xo`` may be ``x`` (in place). ``w*`` = (wp, sc, sz, bmap) of 4-bit weights; ``act_*`` =
+    ``xo``, ``x`` [1, D], ``a`` [1, Hq * hd]; ``xo`` may be ``x`` (in place). ``w*`` = (wp, sc, sz, bmap, zero_scale) of 4-bit weights; ``act_*`` =
     (xq, dx, xg) scratch for the inputs of Wo, Wgu, Wd; ``nob`` = (o [D], h [D],
     gu [2F], m [F]) float32 scratch; ``bias0`` float32 [0]. Rows across threads.
     """
     o, h, gu, m = nob
-    wp, sc, sz, bmap = wo
+    wp, sc, sz, bmap, zm = wo
     xq, dx, xg = act_a
     quantize_act(xq, dx, xg, a[0], bmap)
+    _times(xg, zm)
     n = o.shape[0]
     nblk = n // 4
     for i in prange(nblk + n - nblk * 4):
@@ -93,17 +97,19 @@ def out_mlp_par(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, 
     for i in range(n):
         xo[0, i] = x[0, i] + o[i]
     _rmsnorm_row(h, xo[0], nw, np.float32(eps), off)
-    wp, sc, sz, bmap = wgu
+    wp, sc, sz, bmap, zm = wgu
     xq, dx, xg = act_h
     quantize_act(xq, dx, xg, h, bmap)
+    _times(xg, zm)
     n2 = gu.shape[0]
     nblk2 = n2 // 4
     for i in prange(nblk2 + n2 - nblk2 * 4):
         _q4_block(i, nblk2, gu, wp, sc, sz, bmap, bias0, xq, dx, xg)
     glu_rows(m, gu, gelu)
-    wp, sc, sz, bmap = wd
+    wp, sc, sz, bmap, zm = wd
     xq, dx, xg = act_m
     quantize_act(xq, dx, xg, m, bmap)
+    _times(xg, zm)
     for i in prange(nblk + n - nblk * 4):
         _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
     for i in range(n):
@@ -114,9 +120,10 @@ def out_mlp_par(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, 
 def out_mlp_ser(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0):
     """As :func:`out_mlp_par` on the calling thread."""
     o, h, gu, m = nob
-    wp, sc, sz, bmap = wo
+    wp, sc, sz, bmap, zm = wo
     xq, dx, xg = act_a
     quantize_act(xq, dx, xg, a[0], bmap)
+    _times(xg, zm)
     n = o.shape[0]
     nblk = n // 4
     for i in range(nblk + n - nblk * 4):
@@ -124,17 +131,19 @@ def out_mlp_ser(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, 
     for i in range(n):
         xo[0, i] = x[0, i] + o[i]
     _rmsnorm_row(h, xo[0], nw, np.float32(eps), off)
-    wp, sc, sz, bmap = wgu
+    wp, sc, sz, bmap, zm = wgu
     xq, dx, xg = act_h
     quantize_act(xq, dx, xg, h, bmap)
+    _times(xg, zm)
     n2 = gu.shape[0]
     nblk2 = n2 // 4
     for i in range(nblk2 + n2 - nblk2 * 4):
         _q4_block(i, nblk2, gu, wp, sc, sz, bmap, bias0, xq, dx, xg)
     glu_rows(m, gu, gelu)
-    wp, sc, sz, bmap = wd
+    wp, sc, sz, bmap, zm = wd
     xq, dx, xg = act_m
     quantize_act(xq, dx, xg, m, bmap)
+    _times(xg, zm)
     for i in range(nblk + n - nblk * 4):
         _q4_block(i, nblk, o, wp, sc, sz, bmap, bias0, xq, dx, xg)
     for i in range(n):

@@ -27,7 +27,7 @@ from numba import njit, prange
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
 from ._simd import (ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
                     zero_term)
-from .repack import FIVE_BIT_ZERO
+from .repack import FIVE_BIT_ZERO, SYMMETRIC_ZERO_4BIT
 
 if BLOCKDOT:  # AMX hosts: 4-bit weights in the block-dot numerics (._blockdot, ._amx)
     q4_rows4, q4_rows1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
@@ -150,6 +150,37 @@ def gemv_q4_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W4[out, in] @ x
         _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
 
 
+@njit(cache=True, fastmath=False)
+def _times(xg, m):  # xg *= m, m a power of two (exact); nothing when m is 1
+    if m != 1.0:
+        for g in range(xg.shape[0]):
+            xg[g] *= m
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def gemv_q4_sym(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W4 @ x, sz = 8 sc implicitly
+    """As :func:`gemv_q4` for a symmetric 4-bit weight whose ``sz`` is ``sc``
+    (:attr:`.repack.CpuQuantWeight.zero_scale` 8): the group sums ``X`` are scaled by 8,
+    which rounds as ``8 sc`` did."""
+    quantize_act(xq, dx, xg, x, bmap)
+    _times(xg, np.float32(SYMMETRIC_ZERO_4BIT))
+    out = y.shape[0]
+    nblk = out // 4
+    for i in prange(nblk + out - nblk * 4):
+        _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
+@njit(cache=True, fastmath=True)
+def gemv_q4_sym_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
+    """As :func:`gemv_q4_sym` on the calling thread."""
+    quantize_act(xq, dx, xg, x, bmap)
+    _times(xg, np.float32(SYMMETRIC_ZERO_4BIT))
+    out = y.shape[0]
+    nblk = out // 4
+    for i in range(nblk + out - nblk * 4):
+        _q4_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
+
+
 @njit(parallel=True, cache=True, fastmath=True)
 def gemv_q5(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5[out, in] @ x[in] (+ b) -> y[out]
     """5-bit GEMV (nibbles and fifth bits, :mod:`.repack`), row blocks across threads."""
@@ -168,12 +199,6 @@ def gemv_q5_serial(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # W5[out, in] @ x
     nblk = out // 4
     for i in range(nblk + out - nblk * 4):
         _q5_block(i, nblk, y, wp, sc, sz, bmap, bias, xq, dx, xg)
-
-
-@njit(cache=True, fastmath=False)
-def _times(xg, m):  # xg *= m, m a power of two (exact)
-    for g in range(xg.shape[0]):
-        xg[g] *= m
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -271,9 +296,9 @@ def gemv_quant(y: np.ndarray, x: np.ndarray, w, bias: np.ndarray | None,
             fn = gemv_fn(w)
         else:
             serial = w.nbytes <= SERIAL_MAX_BYTES
-            fives = (gemv_q5, gemv_q5_serial) if w.zero_scale == 1.0 else (
-                gemv_q5_sym, gemv_q5_sym_serial)
-            fn = {4: (gemv_q4, gemv_q4_serial), 5: fives,
+            plain = w.zero_scale == 1.0  # else sz is sc, the zero implicit (.repack)
+            fn = {4: (gemv_q4, gemv_q4_serial) if plain else (gemv_q4_sym, gemv_q4_sym_serial),
+                  5: (gemv_q5, gemv_q5_serial) if plain else (gemv_q5_sym, gemv_q5_sym_serial),
                   8: (gemv_q8, gemv_q8_serial)}[w.bits][serial]
         w._gemv = fn
     fn(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)

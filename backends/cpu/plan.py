@@ -222,8 +222,9 @@ class LogitsStage(NamedTuple):
 
 
 # ---- building -------------------------------------------------------------------------------
-def _arrays(w: CpuQuantWeight) -> tuple:
-    return (w.wp, w.sc, w.sz, w.bmap)
+def weight_arrays(w: CpuQuantWeight) -> tuple:
+    """``(wp, sc, sz, bmap, zero_scale)``: a 4-bit weight as :mod:`.fused`'s kernels take it."""
+    return (w.wp, w.sc, w.sz, w.bmap, np.float32(w.zero_scale))
 
 
 def _fused_weight(group, bits=4):
@@ -241,7 +242,7 @@ def _fused_qkv(be, blk, y2) -> Fused | None:
     fn = qkv_rope_ser if w.nbytes <= SERIAL_MAX_BYTES else qkv_rope_par
     bias = _NO_BIAS if blk.qkv.bias is None else blk.qkv.bias
     args = (y, blk.input_norm, float(blk.eps), bool(blk.unit_offset),
-            be.scratch("h", (w.in_features,)), _arrays(w), bias,
+            be.scratch("h", (w.in_features,)), weight_arrays(w), bias,
             be.act_scratch.get(w.n_blocks, w.n_groups), blk.cos, blk.sin, hq, hkv, hd,
             fn is qkv_rope_par)
     return Fused(fn, args, (y[:hq * hd].reshape(1, hq, hd),
@@ -265,7 +266,8 @@ def _fused_mlp(be, blk) -> Fused | None:
     fn = out_mlp_ser if wgu.nbytes <= SERIAL_MAX_BYTES else out_mlp_par
     xo = be.scratch("xo", (1, d))
     args = (xo, be.scratch("attn", (1, hq * hd)), blk.mlp_norm, float(blk.eps),
-            bool(blk.unit_offset), is_gelu(blk.act), _arrays(wo), _arrays(wgu), _arrays(wd),
+            bool(blk.unit_offset), is_gelu(blk.act),
+            weight_arrays(wo), weight_arrays(wgu), weight_arrays(wd),
             *(be.act_scratch.get(w.n_blocks, w.n_groups) for w in (wo, wgu, wd)), nob,
             _NO_BIAS, fn is out_mlp_par)
     return Fused(fn, args, xo)

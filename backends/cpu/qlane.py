@@ -22,7 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd_k import lane6_code, lane6_scale, q6l_rows1, q6l_rows4, q8l_rows1, q8l_rows4
-from .elementwise import dequant_rows_q4, dequant_rows_q5, dequant_rows_q5_sym, dequant_rows_q8
+from .elementwise import (dequant_rows_q4, dequant_rows_q4_sym, dequant_rows_q5, dequant_rows_q5_sym,
+                          dequant_rows_q8)
 from .gemv import SERIAL_MAX_BYTES, XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
 from .repack import CpuQuantWeight
 
@@ -206,4 +207,6 @@ def row_dequant(w: CpuQuantWeight):
         return dequant_rows_q6l if w.bits == 6 else dequant_rows_q8l
     if w.bits == 5 and w.zero_scale != 1.0:
         return dequant_rows_q5_sym
+    if w.bits == 4 and w.zero_scale != 1.0:
+        return dequant_rows_q4_sym
     return {4: dequant_rows_q4, 5: dequant_rows_q5, 8: dequant_rows_q8}[w.bits]

@@ -20,7 +20,9 @@ chunk layout plus a u32 of fifth bits per block (``wp`` uint8 ``[out, nb * 20]``
 ``-m`` (``Q5_1``): 5 bits per weight plus the float32 ``sc`` (and ``sz`` for ``Q5_1``).
 ``Q5_0``'s ``sz`` is not stored: it is ``sc`` itself with :attr:`CpuQuantWeight.zero_scale`
 16, and the kernels scale the activation group sums ``X`` by 16 instead (exact: a power
-of two), so ``16 X . s`` rounds as ``X . 16 s`` did, bit for bit.
+of two), so ``16 X . s`` rounds as ``X . 16 s`` did, bit for bit. Symmetric 4-bit weights
+(``Q4_0``, signmax, symmetric RTN / GPTQ: zero 8) hold theirs alike, ``zero_scale`` 8:
+4 bits per weight plus one float32 scale per group (5.0 at group 32, not 6.0).
 
 8-bit weights with a scale per 16 columns (llama.cpp ``Q6_K``, :func:`has_lane_scales`)
 keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
@@ -82,8 +84,8 @@ class CpuQuantWeight:
         lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
             only): the kernels of :mod:`.qlane` run it.
         zero_scale: the zero-point term is ``zero_scale * sum_g sz[r, g] X[g]``; 1, or 16
-            with ``sz`` the array ``sc`` (symmetric 5-bit, ``Q5_0``: ``sz = 16 s`` held
-            implicitly; the kernels multiply ``X`` by it).
+            / 8 with ``sz`` the array ``sc`` (symmetric 5- / 4-bit: ``sz = 16 s`` / ``8 s``
+            held implicitly; the kernels multiply ``X`` by it).
         nbytes: bytes streamed per GEMV (codes + sc + sz, ``sz`` not again when it is
             ``sc``).
     """
@@ -371,6 +373,10 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         wp = np.zeros((out, kpad), np.int8)
         wp[:, :kp] = w.qweight
         z = None if w.mins is not None else 0
+    if w.bits == 4 and w.symmetric:  # sz = 8 sc: held as sc itself, zero_scale 8
+        sc = factor_group_terms(sc, nb)
+        return CpuQuantWeight(4, out, w.in_features, g, nb, np.ascontiguousarray(wp), sc, sc,
+                              bmap, zero_scale=float(SYMMETRIC_ZERO_4BIT))
     if z is None:
         sz = np.ascontiguousarray(-np.asarray(w.mins, np.float32))  # w = q * s - sz
     elif w.bits == 8:  # symmetric 8-bit: no zero-point term at all
