@@ -19,7 +19,7 @@ from numba import njit
 
 from edgeinfer.backends.cpu import CpuBackend, _amx, _blockdot, _simd, gemv, qgemm
 from edgeinfer.backends.cpu.gemv import _finish_rows, quantize_act
-from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored
+from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored, term_values
 from test_cpu_kernels import random_q
 
 CPU = CpuBackend(threads=2)
@@ -86,7 +86,7 @@ def test_rows_follow_the_documented_float_steps(out, n_in, group):
         xq, dx, _ = _act(h, x)
         y = np.full(out, np.nan, np.float32)
         _rows(y, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-        want = _emulate(_codes(qt, h), h.sc, xq, dx, h.bmap)
+        want = _emulate(_codes(qt, h), term_values(h.sc, h.n_blocks), xq, dx, h.bmap)
         assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
         assert np.abs(want).max() > 0
 

@@ -22,7 +22,7 @@ from numba import njit
 
 from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd, _simd_tokens
 from edgeinfer.backends.cpu.gemv import ActScratch, quantize_act
-from edgeinfer.backends.cpu.repack import five_bit_codes
+from edgeinfer.backends.cpu.repack import five_bit_codes, term_values
 from edgeinfer.backends.quantized import QuantizedTensor
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.readers.gguf_blocks import relayout
@@ -154,7 +154,7 @@ def test_simd_portable_and_oracle_agree(qname, out, nblk, group):
             kernels[4](y, 4 * i, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
         for r in range(4 * nblk4, out):
             kernels[1](y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-        y -= h.zero_scale * (h.sz @ xg)
+        y -= h.zero_scale * (term_values(h.sz, h.n_blocks) @ xg)
         assert nerr(y, oracle) < ACT_TOL
         ys.append(y)
     assert nerr(ys[0], ys[-1]) < 1e-6  # the same exact integer dots, float order aside
@@ -166,7 +166,7 @@ def test_simd_portable_and_oracle_agree(qname, out, nblk, group):
     for r in range(out):
         _simd.PORTABLE_ROWS[(1, 5)](y0, r, cleared.reshape(out, -1), h.sc, xq, dx, h.bmap,
                                     h.n_blocks)
-    assert nerr(y0 - h.zero_scale * (h.sz @ xg), oracle) > 0.1
+    assert nerr(y0 - h.zero_scale * (term_values(h.sz, h.n_blocks) @ xg), oracle) > 0.1
 
 
 @pytest.mark.parametrize("t", [2, 5, 40])  # 2 tokens, tails of the 4-token kernels, > 1 chunk
@@ -216,7 +216,7 @@ def _portable_rows(h, x):
     y = np.zeros(h.out_features, np.float32)
     for r in range(h.out_features):
         _simd.PORTABLE_ROWS[(1, 5)](y, r, h.wp, h.sc, xq, dx, h.bmap, h.n_blocks)
-    return y - h.zero_scale * (h.sz @ xg)
+    return y - h.zero_scale * (term_values(h.sz, h.n_blocks) @ xg)
 
 
 def test_embedding_rows_exact_decode_and_fused_groups():
@@ -256,8 +256,8 @@ def test_q5_0_implicit_zero_term_bit_identical_to_a_stored_one(rows):
     h = CPU.upload_weight(w)
     assert h.sz is h.sc and h.zero_scale == 16.0
     assert (h.nbytes > SERIAL_MAX_BYTES) == (rows > 1000)
-    stored = replace(h, sz=np.ascontiguousarray(16 * h.sc), zero_scale=1.0)
-    assert stored.nbytes == h.nbytes + h.sc.nbytes
+    stored = replace(h, sz=16 * term_values(h.sc, h.n_blocks), zero_scale=1.0)
+    assert h.sc.dtype == np.uint16 and stored.nbytes == h.nbytes + 4 * h.sc.size
     x = rng.standard_normal((7, w.in_features)).astype(np.float32) * 3
     bias = rng.standard_normal(rows).astype(np.float32)
     for t in (1, 7):

@@ -30,7 +30,8 @@ Layouts consumed (built by :mod:`.repack`):
 
 Activations: ``xq`` int16 ``[nb * 32]`` (block ``b`` at ``32 b``, column ``j`` at lane
 ``ACT_ORDER[j]``) and ``dx`` float32 ``[nb]`` (per-block scale).
-Scales: ``sc`` float32 ``[rows, ng]``, or (``ng == nb``) uint8 factored: int8 ``q`` per
+Scales: ``sc`` float32 ``[rows, ng]``, uint16 ``[rows, ng]`` (fp16 bits, widened exactly),
+or (``ng == nb``) uint8 factored: int8 ``q`` per
 block, then from byte ``A = (nb + 3) & ~3`` a float32 ``d`` per 8 blocks, the scale
 ``float32(q) * d`` (exact, :func:`.repack.factor_group_terms`; the kernels are built for
 either from the array's dtype, :func:`group_scale`); ``bmap`` int32 ``[nb]`` maps block
@@ -125,7 +126,10 @@ def _gep(builder, ptr, idx):
 
 def group_scale(builder, row, g, nbv, factored):
     """The float32 scale of group ``g`` (i64) of a scale row: ``row[g]`` (``row`` float*),
-    or from a factored row (``row`` i8*, ``nbv`` blocks): ``float32(q[g]) * d[g >> 3]``."""
+    its fp16 value widened (``row`` i16*: binary16 bits, exact), or from a factored row
+    (``row`` i8*, ``nbv`` blocks): ``float32(q[g]) * d[g >> 3]``."""
+    if row.type.pointee == _I16:
+        return _half_bits_to_f32(builder, builder.load(_gep(builder, row, g)))
     if not factored:
         return builder.load(_gep(builder, row, g))
     i64 = ir.IntType(64)
@@ -136,9 +140,26 @@ def group_scale(builder, row, g, nbv, factored):
     return builder.fmul(builder.sitofp(q, _F32), d, flags=STRICT)
 
 
+def _half_bits_to_f32(builder, v):
+    """binary16 bits (i16 or <n x i16>) -> float (<n x float>): ``fpext half``, exact
+    (``vcvtph2ps`` on F16C hosts)."""
+    if isinstance(v.type, ir.VectorType):
+        n = v.type.count
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)),
+                             ir.VectorType(_F32, n))
+    return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
+
+
+def scale_row_type(dtype):
+    """The LLVM element type of a scale row of Numba dtype ``dtype``: float (float32),
+    i16 (uint16: fp16 bits), i8 (uint8: factored)."""
+    return {types.float32: _F32, types.uint16: _I16}.get(dtype, _I8)
+
+
 def group_value(a, r, g, nb):
-    """``a[r, g]`` of a float32 scale (or zero-point term) array, or ``float32(q) * d`` of
-    a factored uint8 one (module docstring): the same float32. Numba-only (overloaded)."""
+    """``a[r, g]`` of a float32 scale (or zero-point term) array, of a uint16 one (fp16
+    bits) widened, or ``float32(q) * d`` of a factored uint8 one (module docstring): the
+    same float32. Numba-only (overloaded)."""
     raise NotImplementedError("call group_value from Numba-compiled code")
 
 
@@ -165,6 +186,8 @@ def _group_value(a, r, g, nb):
                  | (np.int32(a[r, at + 2]) << 16) | (np.int32(a[r, at + 3]) << 24))
             return mul_strict(np.float32(v), i32_as_f32(d))  # little-endian float32 bytes
         return factored
+    if isinstance(a, types.Array) and a.dtype == types.uint16:
+        return lambda a, r, g, nb: half_to_f32(a[r, g])
     return lambda a, r, g, nb: a[r, g]
 
 
@@ -172,7 +195,7 @@ def _masked_load(builder, ptr, vty, mask):
     """``vty`` load of the lanes of ``ptr`` (element pointer) where ``mask`` is set, zero
     elsewhere (``llvm.masked.load``: the other lanes' memory is not touched)."""
     n, elt = vty.count, vty.element
-    sfx = {_F32: "f32", _I8: "i8"}[elt]
+    sfx = {_F32: "f32", _I8: "i8", _I16: "i16"}[elt]
     fn = _declare(builder.module, f"llvm.masked.load.v{n}{sfx}.p0", vty,
                   [vty.as_pointer(), _I32, ir.VectorType(ir.IntType(1), n), vty])
     zero = ir.Constant(vty, [0.0 if elt == _F32 else 0] * n)
@@ -182,8 +205,8 @@ def _masked_load(builder, ptr, vty, mask):
 
 def zero_accs_ir(builder, szrow, xgps, ngv, factored):
     """The <8 x float> accumulators of ``sum_g sz[g] * xg[g]`` for each activation row in
-    ``xgps`` (float*), over ``ngv`` groups of one zero-point row (``szrow`` float*, or i8*
-    of a factored row, :func:`group_scale`): group ``g`` in lane ``g % 8``, in group order;
+    ``xgps`` (float*), over ``ngv`` groups of one zero-point row (``szrow`` float*, i16* of
+    fp16 bits, or i8* of a factored row, :func:`group_scale`): group ``g`` in lane ``g % 8``, in group order;
     the last ``ngv % 8`` groups by masked loads (the other lanes add +0.0). Each sz vector
     is loaded once for every row. Every operation :data:`STRICT`."""
     i64 = ir.IntType(64)
@@ -192,7 +215,17 @@ def zero_accs_ir(builder, szrow, xgps, ngv, factored):
     n8 = builder.lshr(ngv, ir.Constant(i64, 3))
     v8i8 = ir.VectorType(_I8, 8)
 
+    half = szrow.type.pointee == _I16  # fp16 bits (uint16 rows), widened exactly
+
     def sz8(g, mask):  # <8 x float> sz[g .. g + 8] (the masked lanes 0)
+        if half:
+            v8i16 = ir.VectorType(_I16, 8)
+            if mask is None:
+                h = builder.load(builder.bitcast(_gep(builder, szrow, g), v8i16.as_pointer()),
+                                 align=2)
+            else:
+                h = _masked_load(builder, _gep(builder, szrow, g), v8i16, mask)
+            return _half_bits_to_f32(builder, h)
         if not factored:
             if mask is None:
                 return builder.load(builder.bitcast(_gep(builder, szrow, g), _V8F32.as_pointer()),
@@ -240,8 +273,8 @@ def zero_term_ir(builder, szrow, xgp, ngv, factored):
 
 @intrinsic
 def zero_term(typingctx, sz, r, xg):
-    """float32 ``sum_g sz[r, g] * xg[g]`` (:func:`zero_term_ir`) of a float32 ``sz``
-    ``[rows, ng]`` (``ng`` may be 0) or a factored uint8 one (``ng`` = ``xg.shape[0]``);
+    """float32 ``sum_g sz[r, g] * xg[g]`` (:func:`zero_term_ir`) of a float32 or uint16
+    (fp16 bits) ``sz`` ``[rows, ng]`` (``ng`` may be 0) or a factored uint8 one (``ng`` = ``xg.shape[0]``);
     ``xg`` float32 [ng] C-contiguous."""
     if not (isinstance(xg, types.Array) and xg.ndim == 1 and xg.layout == "C"):
         return None
@@ -257,8 +290,7 @@ def zero_term(typingctx, sz, r, xg):
         stride = cgutils.unpack_tuple(builder, a_sz.strides, 2)[0]
         row = builder.gep(builder.bitcast(a_sz.data, _I8.as_pointer()),
                           [builder.mul(args[1], stride)])
-        if not factored:
-            row = builder.bitcast(row, _F32.as_pointer())
+        row = builder.bitcast(row, scale_row_type(ty_sz.dtype).as_pointer())
         return zero_term_ir(builder, row, a_xg.data, ngv, factored)
 
     return sig, codegen

@@ -257,8 +257,8 @@ def dequant_rows_q8(out, wp, sc, sz, bmap, rows, scale):  # W8[rows, :K] * scale
     for i in range(rows.shape[0]):
         r = rows[i]
         for b in range((k + 31) // 32):
-            s = sc[r, bmap[b]]
-            z = sz[r, bmap[b]] if has_z else np.float32(0.0)
+            s = group_value(sc, r, bmap[b], bmap.shape[0])
+            z = group_value(sz, r, bmap[b], bmap.shape[0]) if has_z else np.float32(0.0)
             n = min(32, k - b * 32)
             for j in range(n):
                 out[i, b * 32 + j] = (np.float32(wp[r, b * 32 + j]) * s - z) * scale

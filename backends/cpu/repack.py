@@ -6,10 +6,12 @@ CPU kernels want (see :mod:`._simd`):
 * 4-bit codes regrouped so that one 32-byte load holds two 32-column blocks, block
   ``2c`` in the low nibbles and ``2c + 1`` in the high nibbles;
 * 8-bit codes kept as int8 (symmetric, zero point 0);
-* float32 scales ``sc[out, ng]`` and the zero-point term ``sz = s * z`` (z = stored zero,
+* scales ``sc[out, ng]`` and the zero-point term ``sz = s * z`` (z = stored zero,
   8 for symmetric 4-bit; ``sz = -m`` for a weight with float mins, ``w = q * s + m``;
   symmetric 8-bit weights have none: ``sz`` ``[out, 0]``, the kernels skip the term), so that
-  ``W @ x = sum_g sc * (codes . x)_g - sum_g sz * sum(x)_g``;
+  ``W @ x = sum_g sc * (codes . x)_g - sum_g sz * sum(x)_g``; each held as uint16 fp16 bits
+  where all its values are fp16 values (GGUF ``d`` and ``m``, ``.eif`` scales:
+  :func:`half_if_exact`; the kernels widen them exactly), else float32;
 * the input dimension padded with zero codes to a multiple of 64 (4-bit) or 32 (8-bit);
   padded activations are zero, so padded columns contribute nothing.
 
@@ -44,7 +46,9 @@ and ``dmin * m``, :func:`factor_group_terms`) hold them factored: uint8 ``[out, 
 ``float32(q) * d``, the stored scale bit for bit. ``Q4_K`` then runs at 4.75 bits per
 weight and ``Q5_K`` at 5.75.
 
-This is a copy made once at upload (never on disk): ~4.5 bits/weight for INT4 g128.
+This is a copy made once at upload (never on disk): 4.375 bits/weight for INT4 g128
+(fp16 scale, float32 zero term per 128); llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 their
+file's size.
 8-bit codes whose width is already a multiple of 32 need no change: :func:`repack_q8_view`
 wraps given codes (e.g. a copy-on-write file view of an ``.eif`` embedding) without a copy.
 """
@@ -74,12 +78,13 @@ class CpuQuantWeight:
         n_blocks: 32-column blocks per row after padding (``nb``; even for 4 bits).
         wp: uint8 ``[out, nb * 16]`` (4-bit), uint8 ``[out, nb * 20]`` (5-bit), uint8
             ``[out, nb * 24]`` (6-bit) or int8 ``[out, nb * 32]`` (8-bit).
-        sc: float32 ``[out, ng]`` group scales; 6-bit: uint8, the packed lane scales
-            (module docstring, :func:`lane6_scale_offset`); 4- / 5-bit with ``ng == nb``:
-            float32, or uint8 factored (:func:`factor_group_terms`).
-        sz: float32 ``[out, ng]`` scale times zero point (``s * z``), or ``[out, 0]``
-            where there is no zero-point term (symmetric 8-bit, lane scales); factored
-            as ``sc`` may be (each independently).
+        sc: float32 or uint16 (fp16 bits) ``[out, ng]`` group scales; 6-bit: uint8, the
+            packed lane scales (module docstring, :func:`lane6_scale_offset`); 4- / 5-bit
+            with ``ng == nb``: also uint8 factored (:func:`factor_group_terms`).
+        sz: ``[out, ng]`` scale times zero point (``s * z``), or ``[out, 0]`` where there
+            is no zero-point term (symmetric 8-bit, lane scales); float32, fp16 or factored
+            as ``sc`` may be (each independently); ``sc`` itself where implicit
+            (``zero_scale``).
         bmap: int32 ``[nb]`` block -> group index.
         lane_scales: ``sc`` holds one scale per 16 columns (``[out, 2 * nb]``; 8-bit
             only): the kernels of :mod:`.qlane` run it.
@@ -246,6 +251,33 @@ def factor_group_terms(a: np.ndarray, nb: int) -> np.ndarray:
     return a if f is None else pack_factored(*f, nb)
 
 
+def half_if_exact(a: np.ndarray) -> np.ndarray:
+    """float32 scales (or zero-point terms) ``a`` as uint16 fp16 bits if every value (signed
+    zeros too) is an fp16 value, else ``a``: the kernels widen them exactly
+    (:func:`._simd.group_scale`), so the floats they compute are unchanged."""
+    if a.dtype != np.float32 or a.size == 0:
+        return a
+    with np.errstate(over="ignore"):  # beyond fp16's range: inf, then unequal
+        h = a.astype(np.float16)
+    if np.array_equal(h.astype(np.float32).view(np.uint32), a.view(np.uint32)):
+        return h.view(np.uint16)
+    return a
+
+
+def term_values(a: np.ndarray, nb: int) -> np.ndarray:
+    """The float32 values ``[out, n]`` of a scale or zero-point-term array of any kind the
+    kernels read: float32 as it is, uint16 fp16 bits widened, factored uint8 (``nb``
+    blocks, :func:`pack_factored`) multiplied out. For oracles and inspection."""
+    if a.dtype == np.uint16:
+        return a.view(np.float16).astype(np.float32)
+    if a.dtype == np.uint8:
+        at = factored_offset(nb)
+        q = a[:, :nb].view(np.int8).astype(np.float32)
+        d = np.ascontiguousarray(a[:, at:]).view(np.float32)
+        return (q * np.repeat(d, SUPER_GROUPS, axis=1)[:, :nb]).astype(np.float32)
+    return np.asarray(a, np.float32)
+
+
 def _repack_q6(w: QuantizedTensor, u: np.ndarray, q: np.ndarray, d: np.ndarray) -> CpuQuantWeight:
     out, kp = w.out_features, w.in_padded
     kpad = -(-kp // (2 * BLOCK)) * 2 * BLOCK
@@ -324,10 +356,10 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
     wp[:, :, :BLOCK] = (c3[:, :, 0, :] & 15) | ((c3[:, :, 1, :] & 15) << 4)
     fifth = np.packbits(c3 >> 4, axis=-1, bitorder="little")  # [out, nb/2, 2, 4] bytes
     wp[:, :, BLOCK:] = fifth.reshape(out, nb // 2, 8)
-    sc = factor_group_terms(np.ascontiguousarray(w.scales, dtype=np.float32), nb)
+    sc = half_if_exact(factor_group_terms(np.ascontiguousarray(w.scales, dtype=np.float32), nb))
     bmap = block_groups(nb, g, ng)
     if w.mins is not None:
-        sz = factor_group_terms(np.ascontiguousarray(-np.asarray(w.mins, np.float32)), nb)
+        sz = half_if_exact(factor_group_terms(np.ascontiguousarray(-np.asarray(w.mins, np.float32)), nb))
         return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
                               bmap)
     # w = (q - 16) * s: sz = 16 s, held as sc itself (zero_scale 16)
@@ -374,7 +406,7 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         wp[:, :kp] = w.qweight
         z = None if w.mins is not None else 0
     if w.bits == 4 and w.symmetric:  # sz = 8 sc: held as sc itself, zero_scale 8
-        sc = factor_group_terms(sc, nb)
+        sc = half_if_exact(factor_group_terms(sc, nb))
         return CpuQuantWeight(4, out, w.in_features, g, nb, np.ascontiguousarray(wp), sc, sc,
                               bmap, zero_scale=float(SYMMETRIC_ZERO_4BIT))
     if z is None:
@@ -386,7 +418,7 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
     if w.bits == 4:
         sc, sz = factor_group_terms(sc, nb), factor_group_terms(sz, nb)
     return CpuQuantWeight(w.bits, out, w.in_features, g, nb, np.ascontiguousarray(wp),
-                          sc, sz, bmap)
+                          half_if_exact(sc), half_if_exact(sz), bmap)
 
 
 def repack_q8_view(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight | None:
