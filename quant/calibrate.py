@@ -23,9 +23,10 @@ Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
   each linear's Hessian from its input with the earlier linears quantized; all
   calibration rows in one call, so memory holds one layer's full activations). The layer
   forwards run on :class:`CalibrationBackend` (the reference ops, attention by BLAS
-  matmuls), many sequences per call (:data:`CHUNK_TOKENS` rows per GEMM), row-wise ops and
-  attention spread over worker threads (GPTQ); GPTQ's solves run on worker threads with
-  one BLAS thread each. The lm_head is never run during calibration.
+  matmuls), many sequences per call (:data:`CHUNK_TOKENS` rows per GEMM), the linears,
+  row-wise ops, attention and Hessian products spread over worker threads (GPTQ); GPTQ's
+  solves run on worker threads with one BLAS thread each. The lm_head is never run during
+  calibration.
 
 Cost (profiled with py-spy): with the searches vectorized (see :mod:`.awq`, :mod:`.gptq`)
 the two forwards per layer dominate; ``n_seq x seq_len`` sets that cost linearly. The
@@ -206,8 +207,10 @@ class CalibrationBackend(ReferenceBackend):
     * q/k/v and gate/up as one GEMM on the rows stacked once at upload
       (:meth:`group_linears`), split into views;
     * with ``pool`` (a :class:`~edgeinfer.backends.cpu.gemm.GemmPool`), the row blocks
-      and the sequences of the attention spread over its workers (one BLAS thread each;
-      numpy releases the GIL): the same values, every block computed alone either way.
+      (also the linears', :data:`LINEAR_ROWS`) and the sequences of the attention spread
+      over its workers (one BLAS thread each; numpy releases the GIL): the same values,
+      every block computed alone either way;
+    * the ops' float32 outputs in reused buffers (:meth:`_new`).
 
     Any other call is the reference's."""
 
@@ -327,8 +330,24 @@ class CalibrationBackend(ReferenceBackend):
             xs, cos, sin, ps), x, positions)
 
     def glu(self, gate, up, act="silu"):
-        return self._by_rows(lambda g, u: super(CalibrationBackend, self).glu(g, u, act),
-                             gate, up)
+        if not (act == "silu" and gate.ndim == 2 and gate.shape == up.shape
+                and gate.dtype == up.dtype == np.float32):
+            return self._by_rows(lambda g, u: super(CalibrationBackend, self).glu(g, u, act),
+                                 gate, up)
+        out = self._new(gate.shape)
+
+        def block(r):  # the reference's gate * (0.5 * (1 + tanh(0.5 gate))) * up, in place
+            s = slice(r, r + OP_ROWS)
+            o, g = out[s], gate[s]
+            np.multiply(g, np.float32(0.5), out=o)
+            np.tanh(o, out=o)
+            o += np.float32(1.0)
+            o *= np.float32(0.5)
+            np.multiply(g, o, out=o)
+            o *= up[s]
+
+        self._each(block, range(0, len(gate), OP_ROWS))
+        return out
 
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_names
 from edgeinfer.models.rope import rope_tables
 from edgeinfer.models.transformer import decoder_layer, upload_layer
@@ -69,6 +70,11 @@ def test_calibration_ops_on_pool_equal_serial(pool):
     y = rng.normal(0, 3, (T, 128)).astype(np.float32)
     np.testing.assert_array_equal(serial.glu(y[:, :64], y[:, 64:]),
                                   threaded.glu(y[:, :64], y[:, 64:]))
+    # the in-place SiLU gating == the reference's expression, also where tanh saturates
+    y[:8] *= 40
+    ref = ReferenceBackend().glu(y[:, :64], y[:, 64:])
+    np.testing.assert_array_equal(threaded.glu(y[:, :64], y[:, 64:]), ref)
+    assert (ref[:8] == 0).any() and np.abs(ref).max() > 100
     q = rng.normal(size=(n * L, 4, 16)).astype(np.float32)
     k = rng.normal(size=(n * L, 2, 16)).astype(np.float32)
     v = rng.normal(size=(n * L, 2, 16)).astype(np.float32)
