@@ -13,7 +13,8 @@ capture forward (Hessian accumulation included), the four solves (summed over th
 threads), the propagating forward instead; the backend ops of all forwards; the final embedding table + write
 (indented names are parts of a line above; ``linear`` includes the fused groups). Prints
 one JSON object: wall seconds per phase, and the process's CPU seconds (all threads) in
-total and per phase (phases that overlap on threads count each other's CPU). ``--layers N`` stops after N layers (no
+total and per phase (phases that overlap on threads count each other's CPU), and the
+process's minor page faults in total and per phase (the same overlap). ``--layers N`` stops after N layers (no
 file written).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import collections
 import json
 import os
+import resource
 import threading
 import time
 
@@ -41,21 +43,26 @@ def main(argv=None) -> int:
 
     spent: dict[str, float] = collections.defaultdict(float)
     spent_cpu: dict[str, float] = collections.defaultdict(float)
+    faults: dict[str, int] = collections.defaultdict(int)
     lock = threading.Lock()
 
     def cpu():
         t = os.times()
         return t.user + t.system
 
+    def minflt():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
     def timed(name, fn):
         def wrapper(*args, **kw):
-            t, c = time.perf_counter(), cpu()
+            t, c, f = time.perf_counter(), cpu(), minflt()
             try:
                 return fn(*args, **kw)
             finally:
                 with lock:
                     spent[name] += time.perf_counter() - t
                     spent_cpu[name] += cpu() - c
+                    faults[name] += minflt() - f
         return wrapper
 
     conv.calibration_ids = timed("calibration_ids", conv.calibration_ids)
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
                                                  seq.SequentialGPTQBackend._quantize)
     gptq.Hessian.add = timed("  hessian_add", gptq.Hessian.add)
     be_cls = cal.CalibrationBackend
-    for op in ("attention", "linear", "glu", "rope", "rmsnorm"):
+    for op in ("attention", "linear", "glu", "rope", "rmsnorm", "add"):
         setattr(be_cls, op, timed(f"  op {op} (both forwards)", getattr(be_cls, op)))
     gptq.Hessian.H = property(timed("  hessian_H", gptq.Hessian.H.fget))
     cal.gptq_quantize = timed("  gptq_quantize (threads summed)", cal.gptq_quantize)
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
 
         src = catalog_source(src, progress=False)
     load = os.getloadavg()
-    t0, c0 = time.perf_counter(), os.times()
+    t0, c0, f0 = time.perf_counter(), os.times(), minflt()
     try:
         conv.convert(src, a.out, method="gptq", calib_path=a.calib, progress=False,
                      n_calib=a.n_calib, calib_len=a.calib_len,
@@ -108,9 +115,11 @@ def main(argv=None) -> int:
     total, c1 = time.perf_counter() - t0, os.times()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
     print(json.dumps({"total_s": round(total, 2), "cpu_s": round(cpu, 2),
+                      "minor_faults": minflt() - f0,
                       "load_avg_before": load, "load_avg_after": os.getloadavg(),
                       "phases_s": {k: round(v, 2) for k, v in spent.items()},
-                      "phases_cpu_s": {k: round(v, 2) for k, v in spent_cpu.items()}},
+                      "phases_cpu_s": {k: round(v, 2) for k, v in spent_cpu.items()},
+                      "phases_minor_faults": dict(faults)},
                      indent=1))
     return 0
 

@@ -23,9 +23,10 @@ Driver (:func:`quantize_layers`), GPTQ's "sequential" mode:
   each linear's Hessian from its input with the earlier linears quantized; all
   calibration rows in one call, so memory holds one layer's full activations). The layer
   forwards run on :class:`CalibrationBackend` (the reference ops, attention by BLAS
-  matmuls), many sequences per call (:data:`CHUNK_TOKENS` rows per GEMM), row-wise ops and
-  attention spread over worker threads (GPTQ); GPTQ's solves run on worker threads with
-  one BLAS thread each. The lm_head is never run during calibration.
+  matmuls), many sequences per call (:data:`CHUNK_TOKENS` rows per GEMM), the linears,
+  row-wise ops, attention and Hessian products spread over worker threads (GPTQ); GPTQ's
+  solves run on worker threads with one BLAS thread each. The lm_head is never run during
+  calibration.
 
 Cost (profiled with py-spy): with the searches vectorized (see :mod:`.awq`, :mod:`.gptq`)
 the two forwards per layer dominate; ``n_seq x seq_len`` sets that cost linearly. The
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -205,8 +207,10 @@ class CalibrationBackend(ReferenceBackend):
     * q/k/v and gate/up as one GEMM on the rows stacked once at upload
       (:meth:`group_linears`), split into views;
     * with ``pool`` (a :class:`~edgeinfer.backends.cpu.gemm.GemmPool`), the row blocks
-      and the sequences of the attention spread over its workers (one BLAS thread each;
-      numpy releases the GIL): the same values, every block computed alone either way.
+      (also the linears', :data:`LINEAR_ROWS`) and the sequences of the attention spread
+      over its workers (one BLAS thread each; numpy releases the GIL): the same values,
+      every block computed alone either way;
+    * the ops' float32 outputs in reused buffers (:meth:`_new`).
 
     Any other call is the reference's."""
 
@@ -215,6 +219,29 @@ class CalibrationBackend(ReferenceBackend):
         self._masks: dict = {}
         self.seq_len: int | None = None
         self.pool = pool
+        self._spares: list[np.ndarray] = []
+
+    def _new(self, shape: tuple) -> np.ndarray:
+        """An uninitialized float32 array of ``shape`` (every element is then written):
+        a view of a kept 1-D buffer of that size that nothing else references any more
+        (no reference, no reader: ``sys.getrefcount`` counts the views' bases too), else
+        of a new one, kept. A layer's op outputs repeat in size, so after the first layer
+        they reuse memory instead of faulting in fresh pages (tens of MB each, unmapped
+        at every free: ``benchmarks/gptq_profile.py``'s fault counts)."""
+        n = int(np.prod(shape))
+        for buf in self._spares:
+            # references: the list, the loop variable, the call's argument
+            if buf.size == n and sys.getrefcount(buf) <= 3:
+                return buf.reshape(shape)
+        buf = np.empty(n, np.float32)
+        self._spares.append(buf)
+        return buf.reshape(shape)
+
+    def add(self, a, b):
+        if (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                and a.dtype == b.dtype == np.float32):
+            return np.add(a, b, out=self._new(a.shape))
+        return super().add(a, b)
 
     def _mask(self, t: int, window: int | None) -> np.ndarray:
         """Additive causal (and sliding-window) mask [t, t]: 0 where visible, -inf elsewhere."""
@@ -237,6 +264,28 @@ class CalibrationBackend(ReferenceBackend):
                                 for wi, x in zip(ws, biases)])
         return _FusedGroup(tuple(ws), tuple(biases), w, b, tuple(len(wi) for wi in ws))
 
+    def linear(self, x, w, bias=None):
+        """``x [T, in] @ wᵀ (+ bias)``, float32; with a pool, in blocks of
+        :data:`LINEAR_ROWS` rows spread over its workers (one BLAS thread each). The same
+        values as one sgemm: OpenBLAS gives an output row the same bits in any row block
+        (its blocking splits rows and columns, never a dot product's sum;
+        ``tests/test_gptq_sequential.py``)."""
+        if (self.pool is None or self.rows_alone or x.ndim != 2 or len(x) < 2 * LINEAR_ROWS
+                or x.dtype != np.float32 or w.dtype != np.float32
+                or (bias is not None and bias.dtype != np.float32)):
+            return super().linear(x, w, bias)
+        y = self._new((len(x), w.shape[0]))
+        wt = w.T
+
+        def block(r):
+            s = slice(r, r + LINEAR_ROWS)
+            np.matmul(x[s], wt, out=y[s])
+            if bias is not None:
+                y[s] += bias
+
+        self._each(block, range(0, len(x), LINEAR_ROWS))
+        return y
+
     def linear_many(self, x, group):
         if not isinstance(group, _FusedGroup):
             return super().linear_many(x, group)
@@ -253,7 +302,8 @@ class CalibrationBackend(ReferenceBackend):
         if len(x) <= OP_ROWS:
             return fn(x, *rest)
         y = fn(x[:OP_ROWS], *[a[:OP_ROWS] for a in rest])
-        out = np.empty((len(x),) + y.shape[1:], y.dtype)
+        shape = (len(x),) + y.shape[1:]
+        out = self._new(shape) if y.dtype == np.float32 else np.empty(shape, y.dtype)
         out[:OP_ROWS] = y
 
         def block(r):
@@ -280,15 +330,31 @@ class CalibrationBackend(ReferenceBackend):
             xs, cos, sin, ps), x, positions)
 
     def glu(self, gate, up, act="silu"):
-        return self._by_rows(lambda g, u: super(CalibrationBackend, self).glu(g, u, act),
-                             gate, up)
+        if not (act == "silu" and gate.ndim == 2 and gate.shape == up.shape
+                and gate.dtype == up.dtype == np.float32):
+            return self._by_rows(lambda g, u: super(CalibrationBackend, self).glu(g, u, act),
+                                 gate, up)
+        out = self._new(gate.shape)
+
+        def block(r):  # the reference's gate * (0.5 * (1 + tanh(0.5 gate))) * up, in place
+            s = slice(r, r + OP_ROWS)
+            o, g = out[s], gate[s]
+            np.multiply(g, np.float32(0.5), out=o)
+            np.tanh(o, out=o)
+            o += np.float32(1.0)
+            o *= np.float32(0.5)
+            np.multiply(g, o, out=o)
+            o *= up[s]
+
+        self._each(block, range(0, len(gate), OP_ROWS))
+        return out
 
     def attention(self, q, k, v, cache, layer, start_pos, scale, window=None, softcap=None):
         if start_pos != 0:
             return super().attention(q, k, v, cache, layer, start_pos, scale, window, softcap)
         rows, hq, hd = q.shape
         t = self.seq_len if self.seq_len and rows % self.seq_len == 0 else rows
-        out = np.empty((rows, hq, hd), np.float32)
+        out = self._new((rows, hq, hd))
         self._mask(t, window)  # made once, before any worker needs it
 
         def one(r):  # one sequence at a time: its scores stay in cache
@@ -333,6 +399,9 @@ class _FusedGroup(LinearGroup):
 CHUNK_TOKENS = 4096
 #: Rows per call of :class:`CalibrationBackend`'s row-wise ops (a few hundred KB each).
 OP_ROWS = 256
+#: Rows per sgemm of :class:`CalibrationBackend`'s linears on the pool (many blocks per
+#: call, so a worker slowed by another process is not waited for long).
+LINEAR_ROWS = 2048
 
 
 def _solver_pool():
@@ -470,7 +539,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
             n_tok = ids.size
             step = max(1, n_tok // n_search)
             if method == "gptq":
-                hs = {k: Hessian(lw[k].shape[1]) for k in CAPTURE_GROUPS}
+                hs = {k: Hessian(lw[k].shape[1], pool=pool) for k in CAPTURE_GROUPS}
 
                 def stats(j, cap, hs=hs):
                     for k, h in hs.items():

@@ -43,14 +43,18 @@ class Hessian:
     Rows are multiplied in batches: short adds are buffered until ``batch_rows`` rows are
     pending; an add with none pending multiplies its whole batches of ``batch_rows`` rows in
     place and buffers the rest. Each product is float32 (as the reference implementation; a symmetric rank-k update, numpy's
-    ``x.T @ x``), summed in float64; :attr:`H` scales the sum once.
+    ``x.T @ x``), summed in float64; :attr:`H` scales the sum once. With ``pool`` (a
+    :class:`~edgeinfer.backends.cpu.gemm.GemmPool`), an add's whole batches are
+    multiplied on its workers, one per worker at a time, and summed in order: the same
+    values (each product is the same single-threaded call).
     """
 
-    def __init__(self, in_features: int, batch_rows: int = 1024):
+    def __init__(self, in_features: int, batch_rows: int = 1024, pool=None):
         self._sum = np.zeros((in_features, in_features), np.float64)
         self._pending: list[np.ndarray] = []
         self._rows = 0
         self.batch_rows = batch_rows
+        self.pool = pool
         self.n = 0
 
     @property
@@ -65,10 +69,8 @@ class Hessian:
         self.n += x.shape[0]
         b, r = self.batch_rows, 0
         if not self._pending:  # whole batches straight from x (no copy)
-            while len(x) - r >= b:
-                xb = np.ascontiguousarray(x[r:r + b])
-                self._sum += xb.T @ xb
-                r += b
+            r = len(x) - len(x) % b
+            self._add_batches(x, range(0, r, b))
             if r == len(x):
                 return
         rest = x[r:].copy()  # x may be a view of a buffer the caller reuses
@@ -76,6 +78,27 @@ class Hessian:
         self._rows += len(rest)
         if self._rows >= b:
             self._flush()
+
+    def _add_batches(self, x: np.ndarray, starts: range) -> None:
+        """``_sum += xbᵀ xb`` for the batches ``x[r:r + batch_rows]``, ``r`` in ``starts``,
+        in that order (the products on the pool's workers, a wave of one each)."""
+        b, pool = self.batch_rows, self.pool
+        threads = 1 if pool is None else pool.threads
+        for w0 in range(0, len(starts), threads):
+            wave = starts[w0:w0 + threads]
+            prods: list = [None] * len(wave)
+
+            def one(k):
+                xb = np.ascontiguousarray(x[wave[k]:wave[k] + b])
+                prods[k] = xb.T @ xb
+
+            if len(wave) < 2:
+                for k in range(len(wave)):
+                    one(k)
+            else:
+                pool.run(one, range(len(wave)))
+            for p in prods:
+                self._sum += p
 
     def _flush(self) -> None:
         if self._pending:

@@ -68,7 +68,7 @@ class SequentialGPTQBackend(CalibrationBackend):
         key = members[0].short
         if key in self.quantized:
             raise RuntimeError(f"{key} quantized twice in one layer pass")
-        h = Hessian(x.shape[-1], batch_rows=HESSIAN_ROWS)
+        h = Hessian(x.shape[-1], batch_rows=HESSIAN_ROWS, pool=self.pool)
         h.add(x)
         w = members[0].w if len(members) == 1 else np.concatenate([m.w for m in members])
         qt = self.solve(key, w, h.H)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_names
 from edgeinfer.models.rope import rope_tables
 from edgeinfer.models.transformer import decoder_layer, upload_layer
@@ -69,6 +70,11 @@ def test_calibration_ops_on_pool_equal_serial(pool):
     y = rng.normal(0, 3, (T, 128)).astype(np.float32)
     np.testing.assert_array_equal(serial.glu(y[:, :64], y[:, 64:]),
                                   threaded.glu(y[:, :64], y[:, 64:]))
+    # the in-place SiLU gating == the reference's expression, also where tanh saturates
+    y[:8] *= 40
+    ref = ReferenceBackend().glu(y[:, :64], y[:, 64:])
+    np.testing.assert_array_equal(threaded.glu(y[:, :64], y[:, 64:]), ref)
+    assert (ref[:8] == 0).any() and np.abs(ref).max() > 100
     q = rng.normal(size=(n * L, 4, 16)).astype(np.float32)
     k = rng.normal(size=(n * L, 2, 16)).astype(np.float32)
     v = rng.normal(size=(n * L, 2, 16)).astype(np.float32)
@@ -155,3 +161,54 @@ def test_true_sequential_changes_only_the_later_groups(stories_dir):
     for k in ("o_proj", "down_proj"):
         assert (seq[names[k]].codes() != flt[names[k]].codes()).mean() > 0.001
     assert set(seq) == set(flt)
+
+
+def test_linear_on_pool_equals_one_gemm(pool):
+    """The calibration linears in row blocks on the workers == one sgemm, bit for bit."""
+    rng = np.random.default_rng(5)
+    T = 2 * cal.LINEAR_ROWS + 300  # three blocks, the last one short
+    x = rng.normal(size=(T, 96)).astype(np.float32)
+    w = rng.normal(0, 0.1, (80, 96)).astype(np.float32)
+    b = rng.normal(size=80).astype(np.float32)
+    threaded = cal.CalibrationBackend(pool=pool)
+    for bias in (None, b):
+        ref = x @ w.T if bias is None else x @ w.T + bias
+        got = threaded.linear(x, w, bias)
+        assert got.shape == (T, 80) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, ref)
+    assert np.abs(ref).max() > 1.0  # a real product, not zeros
+
+
+def test_hessian_on_pool_equals_serial(pool):
+    """Whole batches multiplied on the workers and summed in order == one at a time,
+    also with rows left pending between adds."""
+    rng = np.random.default_rng(6)
+    X = rng.normal(size=(3000, 40)).astype(np.float32)
+    serial, threaded = Hessian(40, batch_rows=256), Hessian(40, batch_rows=256, pool=pool)
+    for h in (serial, threaded):
+        for r0, r1 in ((0, 1100), (1100, 1200), (1200, 3000)):
+            h.add(X[r0:r1])
+    assert serial.n == threaded.n == 3000
+    np.testing.assert_array_equal(serial.H, threaded.H)
+    np.testing.assert_allclose(serial.H, 2 * X.astype(np.float64).T @ X / 3000, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_op_outputs_reuse_only_unreferenced_buffers():
+    """A calibration op's output reuses a kept buffer of its size only when nothing
+    references that buffer any more (not the array, not a view of it)."""
+    be = cal.CalibrationBackend()
+    a = be._new((4, 6))
+    b = be._new((4, 6))
+    assert not np.shares_memory(a, b)
+    view = a[1:]
+    del a
+    c = be._new((24,))  # a's buffer is still held through the view
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, b)
+    del view, c
+    d = be._new((2, 12))  # now free: reused
+    assert len(be._spares) == 3 and np.shares_memory(d, be._spares[0])
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    s = be.add(x, x)
+    np.testing.assert_array_equal(s, 2 * x)
+    assert not np.shares_memory(s, d) and not np.shares_memory(s, b)
