@@ -21,7 +21,8 @@ from ..backends.base import LinearGroup
 from ..backends.quantized import QuantizedTensor
 from ..models.families import CAPTURE_GROUPS, LINEAR_KEYS
 from ..models.transformer import decoder_layer
-from .calibrate import CalibrationBackend, split_rows
+from .calib_backend import CalibrationBackend
+from .calibrate import split_rows
 from .gptq import Hessian
 
 #: Rows per float32 ``xᵀx`` product of the Hessians (summed in float64).
@@ -46,7 +47,7 @@ class _FloatGroup(LinearGroup):
 
 
 class SequentialGPTQBackend(CalibrationBackend):
-    """:class:`~.calibrate.CalibrationBackend` whose linears given as :class:`_Float` are
+    """:class:`~.calib_backend.CalibrationBackend` whose linears given as :class:`_Float` are
     quantized by ``solve`` on first use (Hessian ``2 XᵀX / n`` of the call's input ``X``,
     all rows), then computed with the dequantized weights (as
     :meth:`~edgeinfer.backends.reference.ReferenceBackend.upload_weight` has them).

@@ -343,7 +343,7 @@ def test_clip_gate_on_the_block_output():
 def test_calibration_attention_equals_the_reference(window, softcap):
     """The calibration backend's batched attention (additive causal / sliding-window mask)
     is the reference attention on a fresh cache (GQA: 6 query heads over 2 KV heads)."""
-    from edgeinfer.quant.calibrate import CalibrationBackend
+    from edgeinfer.quant.calib_backend import CalibrationBackend
 
     rng = np.random.default_rng(6)
     t, hq, hkv, hd = 12, 6, 2, 8

@@ -11,6 +11,7 @@ from edgeinfer.models.families import CAPTURE_GROUPS, LINEAR_KEYS, layer_tensor_
 from edgeinfer.models.rope import rope_tables
 from edgeinfer.models.transformer import decoder_layer, upload_layer
 from edgeinfer.quant import calibrate as cal
+from edgeinfer.quant import calib_backend
 from edgeinfer.quant.gptq import Hessian, gptq_quantize
 from edgeinfer.quant.gptq_sequential import HESSIAN_ROWS, SequentialGPTQBackend, gptq_layer
 from edgeinfer.quant.rtn import effective_group
@@ -62,8 +63,9 @@ def test_hessian_long_add_equals_batched_rows():
 def test_calibration_ops_on_pool_equal_serial(pool):
     rng = np.random.default_rng(4)
     L, n = 40, 7
-    T = n * L + cal.OP_ROWS  # several row blocks
-    serial, threaded = cal.CalibrationBackend(), cal.CalibrationBackend(pool=pool)
+    T = n * L + calib_backend.OP_ROWS  # several row blocks
+    serial = calib_backend.CalibrationBackend()
+    threaded = calib_backend.CalibrationBackend(pool=pool)
     x = rng.normal(size=(T, 64)).astype(np.float32)
     w = rng.normal(size=64).astype(np.float32)
     np.testing.assert_array_equal(serial.rmsnorm(x, w, 1e-5), threaded.rmsnorm(x, w, 1e-5))
@@ -85,7 +87,7 @@ def test_calibration_ops_on_pool_equal_serial(pool):
 
 def _capture(cfg, tensors, i, x2d, pos, rope, L):
     """The linears' inputs of layer i (a plain calibration forward, no quantization)."""
-    be = cal.CalibrationBackend()
+    be = calib_backend.CalibrationBackend()
     be.seq_len = L
     names = layer_tensor_names(i)
     lw = upload_layer(be, {names[k]: v for k, v in tensors.items()}, i)
@@ -166,11 +168,11 @@ def test_true_sequential_changes_only_the_later_groups(stories_dir):
 def test_linear_on_pool_equals_one_gemm(pool):
     """The calibration linears in row blocks on the workers == one sgemm, bit for bit."""
     rng = np.random.default_rng(5)
-    T = 2 * cal.LINEAR_ROWS + 300  # three blocks, the last one short
+    T = 2 * calib_backend.LINEAR_ROWS + 300  # three blocks, the last one short
     x = rng.normal(size=(T, 96)).astype(np.float32)
     w = rng.normal(0, 0.1, (80, 96)).astype(np.float32)
     b = rng.normal(size=80).astype(np.float32)
-    threaded = cal.CalibrationBackend(pool=pool)
+    threaded = calib_backend.CalibrationBackend(pool=pool)
     for bias in (None, b):
         ref = x @ w.T if bias is None else x @ w.T + bias
         got = threaded.linear(x, w, bias)
@@ -197,7 +199,7 @@ def test_hessian_on_pool_equals_serial(pool):
 def test_op_outputs_reuse_only_unreferenced_buffers():
     """A calibration op's output reuses a kept buffer of its size only when nothing
     references that buffer any more (not the array, not a view of it)."""
-    be = cal.CalibrationBackend()
+    be = calib_backend.CalibrationBackend()
     a = be._new((4, 6))
     b = be._new((4, 6))
     assert not np.shares_memory(a, b)

@@ -10,6 +10,7 @@ from edgeinfer.models.families import layer_tensor_names
 from edgeinfer.models.rope import rope_tables
 from edgeinfer.models.transformer import decoder_layer, upload_layer
 from edgeinfer.quant import calibrate as cal
+from edgeinfer.quant import calib_backend
 from edgeinfer.quant.gptq import _block_kernel, _quantize_block_py, gptq_quantize
 
 
@@ -66,7 +67,7 @@ def test_batched_forward_matches_per_sequence(stories_dir, monkeypatch):
     lw = cal.load_layer(src, 1)
     cos, sin = rope_tables(cfg, L, cfg.layer_rope_theta(1))
     monkeypatch.setattr(cal, "CHUNK_TOKENS", 2 * L)  # chunks of 2, 2 and 1 sequences
-    be = cal.CalibrationBackend()
+    be = calib_backend.CalibrationBackend()
     rope = (be.upload(cos), be.upload(sin))
     caps = {}
     cal._run_layer(be, cfg, lw, 1, x, rope,
@@ -94,8 +95,8 @@ def test_calibration_rowwise_ops_equal_reference():
     """rmsnorm / rope / glu in blocks of OP_ROWS rows give the reference's values exactly
     (gate/up as the column views of one fused product, as the calibration forward has)."""
     rng = np.random.default_rng(5)
-    T = 3 * cal.OP_ROWS + 17
-    ref, be = ReferenceBackend(), cal.CalibrationBackend()
+    T = 3 * calib_backend.OP_ROWS + 17
+    ref, be = ReferenceBackend(), calib_backend.CalibrationBackend()
     x = (rng.normal(size=(T, 96)) * 3).astype(np.float32)
     w = rng.normal(size=96).astype(np.float32)
     for off in (False, True):
@@ -123,7 +124,7 @@ def test_calibration_attention_per_sequence():
     q = rng.normal(size=(n * L, hq, hd)).astype(np.float32)
     k = rng.normal(size=(n * L, hkv, hd)).astype(np.float32)
     v = rng.normal(size=(n * L, hkv, hd)).astype(np.float32)
-    be, ref = cal.CalibrationBackend(), ReferenceBackend()
+    be, ref = calib_backend.CalibrationBackend(), ReferenceBackend()
     be.seq_len = L
     for window in (None, 7):
         out = be.attention(q, k, v, None, 0, 0, 0.25, window)
