@@ -206,7 +206,8 @@ def _masked_load(builder, ptr, vty, mask):
 def zero_accs_ir(builder, szrow, xgps, ngv, factored):
     """The <8 x float> accumulators of ``sum_g sz[g] * xg[g]`` for each activation row in
     ``xgps`` (float*), over ``ngv`` groups of one zero-point row (``szrow`` float*, i16* of
-    fp16 bits, or i8* of a factored row, :func:`group_scale`): group ``g`` in lane ``g % 8``, in group order;
+    fp16 bits, or i8* of a factored row, :func:`group_scale`): group ``g`` in lane
+    ``g % 8``, in group order;
     the last ``ngv % 8`` groups by masked loads (the other lanes add +0.0). Each sz vector
     is loaded once for every row. Every operation :data:`STRICT`."""
     i64 = ir.IntType(64)
@@ -274,7 +275,8 @@ def zero_term_ir(builder, szrow, xgp, ngv, factored):
 @intrinsic
 def zero_term(typingctx, sz, r, xg):
     """float32 ``sum_g sz[r, g] * xg[g]`` (:func:`zero_term_ir`) of a float32 or uint16
-    (fp16 bits) ``sz`` ``[rows, ng]`` (``ng`` may be 0) or a factored uint8 one (``ng`` = ``xg.shape[0]``);
+    (fp16 bits) ``sz`` ``[rows, ng]`` (``ng`` may be 0) or a factored uint8 one (``ng`` =
+    ``xg.shape[0]``);
     ``xg`` float32 [ng] C-contiguous."""
     if not (isinstance(xg, types.Array) and xg.ndim == 1 and xg.layout == "C"):
         return None

@@ -81,7 +81,8 @@ def qkv_rope_ser(y, x, nw, eps, off, h, w, bias, act, cos, sin, pos, nq, nk, hd)
 def out_mlp_par(xo, x, a, nw, eps, off, gelu, wo, wgu, wd, act_a, act_h, act_m, nob, bias0):
     """``xo[0] = x1 + Wd @ act_glu(Wgu @ rmsnorm(x1))`` with ``x1 = x[0] + Wo @ a[0]``.
 
-    ``xo``, ``x`` [1, D], ``a`` [1, Hq * hd]; ``xo`` may be ``x`` (in place). ``w*`` = (wp, sc, sz, bmap, zero_scale) of 4-bit weights; ``act_*`` =
+    ``xo``, ``x`` [1, D], ``a`` [1, Hq * hd]; ``xo`` may be ``x`` (in place). ``w*`` =
+    (wp, sc, sz, bmap, zero_scale) of 4-bit weights; ``act_*`` =
     (xq, dx, xg) scratch for the inputs of Wo, Wgu, Wd; ``nob`` = (o [D], h [D],
     gu [2F], m [F]) float32 scratch; ``bias0`` float32 [0]. Rows across threads.
     """

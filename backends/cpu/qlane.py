@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd_k import lane6_code, lane6_scale, q6l_rows1, q6l_rows4, q8l_rows1, q8l_rows4
-from .elementwise import (dequant_rows_q4, dequant_rows_q4_sym, dequant_rows_q5, dequant_rows_q5_sym,
-                          dequant_rows_q8)
+from .elementwise import (dequant_rows_q4, dequant_rows_q4_sym, dequant_rows_q5,
+                          dequant_rows_q5_sym, dequant_rows_q8)
 from .gemv import SERIAL_MAX_BYTES, XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
 from .repack import CpuQuantWeight
 

@@ -359,7 +359,8 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
     sc = half_if_exact(factor_group_terms(np.ascontiguousarray(w.scales, dtype=np.float32), nb))
     bmap = block_groups(nb, g, ng)
     if w.mins is not None:
-        sz = half_if_exact(factor_group_terms(np.ascontiguousarray(-np.asarray(w.mins, np.float32)), nb))
+        mins = np.ascontiguousarray(-np.asarray(w.mins, np.float32))
+        sz = half_if_exact(factor_group_terms(mins, nb))
         return CpuQuantWeight(5, out, w.in_features, g, nb, wp.reshape(out, nb * 20), sc, sz,
                               bmap)
     # w = (q - 16) * s: sz = 16 s, held as sc itself (zero_scale 16)
