@@ -2,13 +2,15 @@
 one process and timed alternately (prefill of 256 tokens, 128 decode steps).
 
     python benchmarks/layout_ab.py MODEL.eif --what half   # fp16-held scales vs float32
-    python benchmarks/layout_ab.py MODEL.eif --what view   # tied 8-bit table: file view vs copy
+    python benchmarks/layout_ab.py MODEL.eif --what view   # tied 8-bit table: copy vs file view
 
 ``half``: scales / zero-point terms held as fp16 bits where exact (the default,
 ``repack.half_if_exact``) against float32 (``half_if_exact`` made the identity while the
-second model loads). ``view``: an ``.eif``'s 8-bit embedding table (SmolLM2's tied head) as
-a copy-on-write view of the file (the default, ``private_file_view``) against an anonymous
-copy. Prints tok/s per round (decode: 1 / mean step time).
+second model loads). ``view``: a tied 8-bit embedding table (SmolLM2's, also the head) of
+an ``.eif`` uploaded as a weight, its own copy (the default,
+``Transformer.tied_as_weight``), against a copy-on-write view of the file
+(``CpuBackend.upload_embedding``, ``private_file_view``). Prints tok/s per round (decode:
+1 / mean step time).
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ def load_pair(path: str, what: str, threads: int):
         mod = importlib.import_module("edgeinfer.backends.cpu.repack")
         name, alt = "half_if_exact", (lambda x: x)
     else:
-        mod = importlib.import_module("edgeinfer.backends.cpu")
-        name, alt = "private_file_view", (lambda x: None)
+        from edgeinfer.models.transformer import Transformer
+        mod, name, alt = Transformer, "tied_as_weight", False
     orig = getattr(mod, name)
     setattr(mod, name, alt)
     try:

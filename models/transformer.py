@@ -93,16 +93,26 @@ class Transformer:
         KeyError: a required tensor is missing (readers validate before this).
     """
 
+    #: A tied embedding (also the output head) is uploaded as a weight (its own copy on
+    #: the CPU backend); False: as an embedding table (an ``.eif``'s 8-bit table a file
+    #: view there), which ``benchmarks/layout_ab.py --what view`` compares.
+    tied_as_weight = True
+
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, Any], backend: Backend,
                  max_positions: int | None = None):
         self.cfg = cfg
         self.backend = backend
         self.max_positions = max_positions or cfg.max_position_embeddings
         be = backend
-        self.embed_tokens = be.upload_embedding(tensors["model.embed_tokens.weight"])
+        emb = tensors["model.embed_tokens.weight"]
         if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            # also the output head, read whole every step: a weight of its own, not a
+            # lookup table whose rows are mapped on demand (Backend.upload_embedding)
+            up = be.upload_weight if self.tied_as_weight else be.upload_embedding
+            self.embed_tokens = up(emb)
             self.lm_head = self.embed_tokens
         else:
+            self.embed_tokens = be.upload_embedding(emb)
             self.lm_head = be.upload_weight(tensors["lm_head.weight"])
         self.norm = be.upload(tensors["model.norm.weight"])
         # One (cos, sin) pair per distinct RoPE base (gemma3 has a local and a global one).

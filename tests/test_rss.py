@@ -220,6 +220,42 @@ def test_prefill_forward_gives_back_an_untied_tables_pages(mapped):
     assert _mapping_rss_kb(table.wp.ctypes.data) > 0
 
 
+@linux
+def test_a_tied_table_is_uploaded_as_a_weight_an_untied_one_as_a_file_view(mapped, stories_dir):
+    """A tied embedding is also the output head, streamed whole every decode step: the CPU
+    backend holds its own copy (anonymous memory, which may use huge pages), not the
+    file view an untied lookup table gets (``Transformer.tied_as_weight``)."""
+    import dataclasses
+
+    from edgeinfer.backends.cpu import CpuBackend
+    from edgeinfer.models.transformer import Transformer
+    from edgeinfer.readers import read_model
+
+    mm, _ = mapped
+    src = read_model(str(stories_dir))
+    v, d = src.config.vocab_size, src.config.hidden_size
+    table = _q8_from_map(mm, v, d, d)  # 8-bit, one scale per row, codes in the file map
+    tensors = dict(src.tensors, **{"model.embed_tokens.weight": table})
+    be = CpuBackend(threads=1)
+    untied = Transformer(src.config, tensors, be)
+    assert not untied.embed_tokens.wp.flags.owndata and untied.lm_head is not untied.embed_tokens
+    tied_cfg = dataclasses.replace(src.config, tie_word_embeddings=True)
+    tensors.pop("lm_head.weight")
+    tied = Transformer(tied_cfg, tensors, be)
+    assert tied.lm_head is tied.embed_tokens and tied.embed_tokens.wp.flags.owndata
+    assert not np.shares_memory(tied.embed_tokens.wp, table.qweight)
+    ids = np.array([0, v - 1, 7])
+    assert np.array_equal(be.embed(tied.embed_tokens, ids), be.embed(untied.embed_tokens, ids))
+    Transformer.tied_as_weight = False  # the alternative benchmarks/layout_ab.py times
+    try:
+        view = Transformer(tied_cfg, tensors, be)
+    finally:
+        Transformer.tied_as_weight = True
+    assert not view.embed_tokens.wp.flags.owndata
+    h = np.random.default_rng(2).standard_normal((1, d)).astype(np.float32)
+    assert np.array_equal(be.linear(h, view.lm_head), be.linear(h, tied.lm_head))
+
+
 def test_upload_embedding_falls_back_to_a_copy():
     from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
 
