@@ -9,8 +9,11 @@ float32 math on exactly-dequantized weights (no activation rounding): ~1e-6 rela
 the reference.
 
 Threading: tiles run on a small pool of Python threads, each with OpenBLAS limited to
-one thread *for that thread only* (``openblas_set_num_threads_local``), so that two
-spinning thread pools never fight for the cores (benchmarks/MEASUREMENTS.md).
+one thread (``openblas_set_num_threads_local``), so that two spinning thread pools never
+fight for the cores (benchmarks/MEASUREMENTS.md). With numpy's bundled OpenBLAS that
+setting is not local: once a worker has started, ``openblas_get_num_threads()`` answers 1 on
+the main thread too, and a main-thread sgemm runs on one core (the calibration pass
+spreads its products over the pool for that reason, :mod:`edgeinfer.quant.calib_backend`).
 """
 from __future__ import annotations
 
