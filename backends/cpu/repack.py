@@ -19,12 +19,12 @@ CPU kernels want (see :mod:`._simd`):
 :mod:`edgeinfer.readers.gguf_blocks`, :func:`five_bit_codes`) run at 5 bits: the 4-bit
 chunk layout plus a u32 of fifth bits per block (``wp`` uint8 ``[out, nb * 20]``,
 :data:`._simd.CHUNK_BYTES`), unsigned codes 0..31 with ``sz = 16 s`` (``Q5_0``) or
-``-m`` (``Q5_1``): 5 bits per weight plus the float32 ``sc`` (and ``sz`` for ``Q5_1``).
+``-m`` (``Q5_1``): 5 bits per weight plus ``sc`` (and ``sz`` for ``Q5_1``).
 ``Q5_0``'s ``sz`` is not stored: it is ``sc`` itself with :attr:`CpuQuantWeight.zero_scale`
 16, and the kernels scale the activation group sums ``X`` by 16 instead (exact: a power
 of two), so ``16 X . s`` rounds as ``X . 16 s`` did, bit for bit. Symmetric 4-bit weights
 (``Q4_0``, signmax, symmetric RTN / GPTQ: zero 8) hold theirs alike, ``zero_scale`` 8:
-4 bits per weight plus one float32 scale per group (5.0 at group 32, not 6.0).
+4 bits per weight plus one scale per group (4.5 at group 32 with fp16 scales, not 6.0).
 
 8-bit weights with a scale per 16 columns (llama.cpp ``Q6_K``, :func:`has_lane_scales`)
 keep ``sc`` float32 ``[out, 2 * nb]`` (two scales per 32-column block, applied per lane by
