@@ -30,15 +30,16 @@ def smollm2_f32(tmp_path_factory):
 
 # SmolLM2's rows are 576 or 1536 wide: only ffn_down (1536 = 6 x 256) takes a K type,
 # the 576-wide tensors fall back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0).
-# In RAM: Q4_0 / Q5_0 codes with float32 scale and zero term per 32 (6.0 bits), Q4_K's
-# factored scales (4.75), Q6_K's lane scales (6.625: 8.406 with the Q8_0 rest at 9.0).
+# In RAM: Q4_0 / Q5_0 / Q8_0 at their files' sizes (fp16 scales kept as fp16, the zero
+# terms of Q4_0 and Q5_0 implicit), Q4_K's factored scales (4.75 against 4.5: 5.312 with
+# the Q5_0 rest), Q6_K's lane scales (6.625 against 6.5625: 8.031 with the Q8_0 rest).
 CASES = {
     "Q4_0": ({"linear": (4.5, ["Q4_0"]), "embedding/head": (4.5, ["Q4_0"])},
-             {"linear": 6.0, "embedding/head": 6.0}),
+             {"linear": 4.5, "embedding/head": 4.5}),
     "Q4_K_S": ({"linear": (5.25, ["Q4_K", "Q5_0"]), "embedding/head": (5.5, ["Q5_0"])},
-               {"linear": 5.688, "embedding/head": 6.0}),
+               {"linear": 5.312, "embedding/head": 5.5}),
     "Q6_K": ({"linear": (8.016, ["Q6_K", "Q8_0"]), "embedding/head": (8.5, ["Q8_0"])},
-             {"linear": 8.406, "embedding/head": 9.0}),
+             {"linear": 8.031, "embedding/head": 8.5}),
 }
 
 
