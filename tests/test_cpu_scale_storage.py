@@ -59,8 +59,9 @@ def gguf_blocks(rng, qname: str, rows: int, nblk: int) -> np.ndarray:
     return raw.reshape(rows, nblk * BLOCK_BYTES[qname])
 
 
-def q4_0_blocks(rng, rows: int, nblk: int) -> np.ndarray:
-    return gguf_blocks(rng, "Q4_0", rows, nblk)
+def q4_0(rng, rows: int, nblk: int):
+    """A random llama.cpp ``Q4_0`` tensor [rows, 32 nblk] re-laid (symmetric 4-bit, g32)."""
+    return relayout(gguf_blocks(rng, "Q4_0", rows, nblk), "Q4_0", "t", "x.gguf")
 
 
 def stored_zero(h):
@@ -85,22 +86,15 @@ def test_gguf_block_formats_in_ram_at_their_file_size(qname):
     assert 8 * h.nbytes / (6 * 256) == FILE_BPW[qname]
     assert gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qname)] == (
         32, BLOCK_BYTES[qname])
-    if qname in ("Q4_0", "Q5_0"):
-        assert h.zero_scale in (8.0, 16.0) and h.sz is h.sc
+    if qname in ("Q4_0", "Q5_0"):  # symmetric: the zero-point term implicit
+        assert h.zero_scale == {"Q4_0": 8.0, "Q5_0": 16.0}[qname] and h.sz is h.sc
+    if qname == "Q4_0":
+        assert w.bits == 4 and w.symmetric and w.group_size == 32
+        assert 8 * stored_zero(h).nbytes / (6 * 256) == 6.0  # float32 scale and term per 32
     x = rng.standard_normal((7, 256)).astype(np.float32)
     for t in (1, 7):
         assert bits_equal(CPU.linear(x[:t], h), CPU.linear(x[:t], as_float32(h))), t
     assert nerr(CPU.linear(x, h), x @ w.dequantize().T) < ACT_TOL
-
-
-def test_q4_0_in_ram_at_its_file_size():
-    rng = np.random.default_rng(0)
-    w = relayout(q4_0_blocks(rng, 6, 8), "Q4_0", "t", "x.gguf")
-    assert w.bits == 4 and w.symmetric and w.group_size == 32
-    h = CPU.upload_weight(w)
-    assert h.bits == 4 and h.zero_scale == 8.0 and h.sz is h.sc
-    assert 8 * h.nbytes / (6 * 256) == 4.5  # codes 4 + fp16 scale per 32: the file's size
-    assert 8 * stored_zero(h).nbytes / (6 * 256) == 6.0  # float32 scale and term per 32
 
 
 def test_which_terms_become_fp16():
@@ -132,7 +126,7 @@ def test_implicit_zero_bit_identical_to_a_stored_one(rows, group):
     rng = np.random.default_rng(rows + group)
     k = 384
     if group == 32:
-        w = relayout(q4_0_blocks(rng, rows, k // 32), "Q4_0", "t", "x.gguf")
+        w = q4_0(rng, rows, k // 32)
     else:
         w = quantize_rtn(rng.standard_normal((rows, k)).astype(np.float32), 4, group,
                          symmetric=True)
@@ -162,7 +156,7 @@ def test_implicit_zero_bit_identical_to_a_stored_one(rows, group):
 
 def test_fused_groups_keep_the_zero_implicit():
     rng = np.random.default_rng(5)
-    ws = [relayout(q4_0_blocks(rng, n, 6), "Q4_0", "t", "x.gguf") for n in (8, 12, 4)]
+    ws = [q4_0(rng, n, 6) for n in (8, 12, 4)]
     hs = [CPU.upload_weight(v) for v in ws]
     grp = CPU.group_linears(hs, [None, None, None])
     assert grp.weight.out_features == 24 and grp.weight.zero_scale == 8.0
