@@ -11,7 +11,8 @@ bit-identical to its decode GEMV. The exact integer block dots come from the til
   16 x 4 codes, the VNNI order of ``tdpbssd``) and its scales into ``[ng, 16]``;
 * per block two ``tdpbssd`` give ``C_h`` and ``C_l``, and ``D = 128 C_h + C_l`` is the
   exact dot of every (token, row) of the tile; then the float steps of :mod:`._blockdot`
-  on 16 rows at a time, the zero-point term and bias by :func:`.gemv._finish_rows`.
+  on 16 rows at a time, and the zero-point term and bias in :func:`.gemv._finish_rows`'
+  float order, 16 rows per vector, stored straight to ``y``.
 
 The kernel is LLVM IR inlined into Numba (``llvm.x86.ldtilecfg``, ``tileloadd64``,
 ``tdpbssd``, ``tilestored64``: Intel SDM vol. 1 ch. 18). Linux grants the tile state to
@@ -33,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
-from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_value
+from ._simd import _I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, group_value
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 
@@ -94,25 +95,74 @@ def tile_ops(mod) -> tuple:
             _declare(mod, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32]))
 
 
+def _zero_term_rows(builder, szt, xgrow, ngv):
+    """<16 x float> ``sum_g sz[g, rows] * xg[g]`` of 16 rows (lanes) and one activation
+    row: for each row the float sequence of :func:`._simd.zero_term_ir` (group ``g`` in
+    class ``g % 8`` from +0.0, in group order; the last ``ngv % 8`` groups' missing
+    classes add +0.0; then the :func:`._simd._hsum8` tree), so every lane equals
+    :func:`.gemv._finish_rows`'s term bit for bit. ``szt`` <16 x float>* [ng],
+    ``xgrow`` float*, ``ngv`` i64."""
+    i64 = ir.IntType(64)
+    c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+    zero16 = ir.Constant(_V16F32, [0.0] * 16)
+    cls = [cgutils.alloca_once_value(builder, zero16) for _ in range(8)]
+
+    def term(g):
+        x = builder.load(_gep(builder, xgrow, g))
+        return builder.fmul(builder.load(_gep(builder, szt, g), align=4), _splat16(builder, x),
+                            flags=STRICT)
+
+    n8 = builder.lshr(ngv, c64(3))
+    with cgutils.for_range(builder, n8) as loop:
+        g0 = builder.mul(loop.index, c64(8))
+        for j in range(8):
+            builder.store(builder.fadd(builder.load(cls[j]), term(builder.add(g0, c64(j))),
+                                       flags=STRICT), cls[j])
+    g0 = builder.mul(n8, c64(8))
+    rem = builder.sub(ngv, g0)
+    with builder.if_then(builder.icmp_signed(">", rem, c64(0)), likely=False):
+        for j in range(8):
+            live = builder.icmp_signed(">", rem, c64(j))
+            t = builder.select(live, term(builder.select(live, builder.add(g0, c64(j)), g0)),
+                               zero16)
+            builder.store(builder.fadd(builder.load(cls[j]), t, flags=STRICT), cls[j])
+    lanes = [builder.load(c) for c in cls]
+    while len(lanes) > 1:
+        lanes = [builder.fadd(lanes[i], lanes[i + 1], flags=STRICT)
+                 for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+def _splat16(builder, f):
+    v = builder.insert_element(ir.Constant(_V16F32, ir.Undefined), f, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_V16F32, ir.Undefined),
+                                  ir.Constant(_V16I32, [0] * 16))
+
+
 @intrinsic
-def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbuf, accs):
-    """One 16-row panel x one 16-token tile: ``y[t0 + t, r0 + n] = acc`` (the
-    :mod:`._blockdot` float steps over the exact tile dots) for t < nt, n < nr.
+def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
+              cbuf, accs):
+    """One 16-row panel x one 16-token tile: ``y[t0 + t, r0 + n]`` = the :mod:`._blockdot`
+    float steps over the exact tile dots, minus the zero-point term, plus the bias (the
+    float sequence of :func:`.gemv._finish_rows`), for t < nt, n < nr.
 
     ``cfg`` uint8 [64] (:func:`_tile_config`), ``ah`` / ``al`` int8 [nb, 16, 32] the
     token tile's split activations, ``bt`` [nb, 8, 64] bytes (:func:`_pack_panel`) the
-    panel's B tiles, ``dxt``
-    float32 [nb, 16] activation scales, ``sct`` float32 [ng, 16] the panel's scales,
-    ``bmap`` int32 [nb], ``y`` float32 [T, out] C-contiguous, ``cbuf`` int32 [2, 16, 16]
-    and ``accs`` float32 [16, 16] scratch.
+    panel's B tiles, ``dxt`` float32 [nb, 16] activation scales, ``sct`` / ``szt``
+    float32 [ng, 16] / [ngz, 16] the panel's scales and zero-point terms, ``xg`` float32
+    [T, ng] the activation group sums, ``bias`` float32 [out] or [0], ``bmap`` int32
+    [nb], ``y`` float32 [T, out] C-contiguous, ``cbuf`` int32 [2, 16, 16] and ``accs``
+    float32 [16, 16] scratch.
     """
-    sig = types.void(cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbuf, accs)
+    sig = types.void(cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
+                     cbuf, accs)
 
     def codegen(context, builder, signature, args):
-        a_cfg, a_ah, a_al, a_bt, a_dxt, a_sct, a_bm, a_y, _, _, _, _, a_cb, a_acc = (
+        (a_cfg, a_ah, a_al, a_bt, a_dxt, a_sct, a_szt, a_xg, a_bias, a_bm, a_y,
+         _, _, _, _, a_cb, a_acc) = (
             context.make_array(signature.args[i])(context, builder, args[i])
-            if isinstance(signature.args[i], types.Array) else None for i in range(14))
-        t0v, ntv, r0v, nrv = args[8], args[9], args[10], args[11]
+            if isinstance(signature.args[i], types.Array) else None for i in range(17))
+        t0v, ntv, r0v, nrv = args[11], args[12], args[13], args[14]
         i64 = ir.IntType(64)
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
         i8p = _I8.as_pointer()
@@ -130,7 +180,7 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbu
         seven = ir.Constant(_V16I32, [7] * 16)
         gaccs = [cgutils.alloca_once_value(builder, zero16) for _ in range(TILE)]
         for t in range(TILE):
-            builder.store(zero16, _gep(builder, accv, c64(t)))
+            builder.store(zero16, _gep(builder, accv, c64(t)), align=4)
         cur_g = cgutils.alloca_once_value(
             builder, builder.sext(builder.load(a_bm.data), i64))
         builder.call(ldcfg, [builder.bitcast(a_cfg.data, i8p)])
@@ -166,27 +216,51 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, bmap, y, t0, nt, r0, nr, cbu
                 cl = builder.load(_gep(builder, cvec, c64(TILE + t)), align=4)
                 d = builder.sitofp(builder.add(builder.shl(ch, seven), cl), _V16F32)
                 f = builder.load(_gep(builder, a_dxt.data, builder.add(dxrow, c64(t))))
-                fv = builder.insert_element(ir.Constant(_V16F32, ir.Undefined), f,
-                                            ir.Constant(_I32, 0))
-                fv = builder.shuffle_vector(fv, ir.Constant(_V16F32, ir.Undefined),
-                                            ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-                builder.store(builder.call(fmuladd, [d, fv, builder.load(gaccs[t])]), gaccs[t])
+                builder.store(builder.call(fmuladd, [d, _splat16(builder, f),
+                                                     builder.load(gaccs[t])]), gaccs[t])
         flush(builder.load(cur_g))
         builder.call(release, [])
+        # y = acc - zero term (+ bias): _finish_rows' float sequence, 16 rows per vector
         ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
+        xstride = cgutils.unpack_tuple(builder, a_xg.strides, 2)[0]
+        ngz = cgutils.unpack_tuple(builder, a_szt.shape, 2)[0]
+        nbias = cgutils.unpack_tuple(builder, a_bias.shape, 1)[0]
         ybase = builder.bitcast(a_y.data, i8p)
-        accf = builder.bitcast(a_acc.data, ir.FloatType().as_pointer())
+        xgbase = builder.bitcast(a_xg.data, i8p)
+        sztv = builder.bitcast(a_szt.data, _V16F32.as_pointer())
+        mask = builder.icmp_signed("<", ir.Constant(_V16I32, list(range(16))),
+                                   _splat_i32(builder, builder.trunc(nrv, _I32)))
+        v16p = _V16F32.as_pointer()
+        bvec = cgutils.alloca_once_value(builder, zero16)
+        with builder.if_then(builder.icmp_signed(">", nbias, c64(0))):
+            bp = _gep(builder, builder.bitcast(a_bias.data, ir.FloatType().as_pointer()), r0v)
+            builder.store(_masked_load(builder, bp, _V16F32, mask), bvec)
         with cgutils.for_range(builder, ntv) as tl:
-            rowp = builder.bitcast(_gep(builder, ybase, builder.mul(builder.add(t0v, tl.index),
-                                                                    ystride)),
-                                   ir.FloatType().as_pointer())
-            with cgutils.for_range(builder, nrv) as nl:
-                v = builder.load(_gep(builder, accf, builder.add(builder.mul(tl.index, c64(TILE)),
-                                                                 nl.index)))
-                builder.store(v, _gep(builder, rowp, builder.add(r0v, nl.index)))
+            tok = builder.add(t0v, tl.index)
+            xgrow = builder.bitcast(_gep(builder, xgbase, builder.mul(tok, xstride)),
+                                    ir.FloatType().as_pointer())
+            v = builder.fsub(builder.load(_gep(builder, accv, tl.index), align=4),
+                             _zero_term_rows(builder, sztv, xgrow, ngz))
+            v = builder.select(builder.icmp_signed(">", nbias, c64(0)),
+                               builder.fadd(v, builder.load(bvec)), v)
+            rowp = _gep(builder, ybase, builder.mul(tok, ystride))
+            rowp = _gep(builder, builder.bitcast(rowp, ir.FloatType().as_pointer()), r0v)
+            _masked_store(builder, v, builder.bitcast(rowp, v16p), mask)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _splat_i32(builder, v):
+    x = builder.insert_element(ir.Constant(_V16I32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(x, ir.Constant(_V16I32, ir.Undefined),
+                                  ir.Constant(_V16I32, [0] * 16))
+
+
+def _masked_store(builder, v, ptr, mask):
+    fn = _declare(builder.module, "llvm.masked.store.v16f32.p0", ir.VoidType(),
+                  [_V16F32, _V16F32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 16)])
+    builder.call(fn, [v, ptr, ir.Constant(_I32, 4), mask])
 
 
 #: Word (4 codes) of a block's packed 32-byte chunk half that holds activation positions
@@ -195,13 +269,15 @@ _POS_WORD = np.array([int(np.argsort(ACT_ORDER)[4 * k]) // 4 for k in range(8)],
 
 
 @njit(cache=True)
-def _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng):
+def _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng):
     """The 16-row panel at ``r0`` (``nr`` real rows) of a 4-bit weight: its codes as B
     tiles ``bt`` uint32 [nb, 8, 16] (word ``[b, k, n]``: row n's codes at activation
-    positions 4k .. 4k + 3, one byte each: the VNNI order of ``tdpbssd``), its scales as
-    ``sct`` float32 [ng, 16]; rows past ``nr`` zero. ``wp32`` is ``wp`` as uint32 words."""
+    positions 4k .. 4k + 3, one byte each: the VNNI order of ``tdpbssd``), its scales and
+    zero-point terms as ``sct`` float32 [ng, 16] and ``szt`` [ngz, 16]; rows past ``nr``
+    zero. ``wp32`` is ``wp`` as uint32 words."""
     bt[:] = 0
     sct[:] = 0
+    szt[:] = 0
     for n in range(nr):
         r = r0 + n
         for b in range(nb):
@@ -211,10 +287,12 @@ def _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng):
                 bt[b, k, n] = (wp32[r, base + _POS_WORD[k]] >> sh) & np.uint32(0x0F0F0F0F)
         for g in range(ng):
             sct[g, n] = group_value(sc, r, g, nb)
+        for g in range(szt.shape[0]):
+            szt[g, n] = group_value(sz, r, g, ng)
 
 
 @njit(parallel=True, cache=True)
-def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, zmul, cfg):
+def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, ngz, zmul, cfg):
     t_n = x.shape[0]
     nb = dx.shape[1]
     quantize_rows(xq, dx, xg, x, bmap, zmul)
@@ -241,18 +319,22 @@ def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, zmul,
         nr = min(TILE, out - r0)
         bt = np.empty((nb, 8, TILE), np.uint32)
         sct = np.empty((ng, TILE), np.float32)
+        szt = np.empty((ngz, TILE), np.float32)
         cbuf = np.empty((2, TILE, TILE), np.int32)
         accs = np.empty((TILE, TILE), np.float32)
-        _pack_panel(bt, sct, wp32, sc, r0, nr, nb, ng)
+        _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng)
         for tt in range(n_tt):
             t0 = tt * TILE
-            amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, bmap, y, t0, min(TILE, t_n - t0),
-                      r0, nr, cbuf, accs)
-    for t in prange(t_n):
-        _finish_rows(y[t], 0, out, sz, xg[t], bias)
+            amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, szt, xg, bias, bmap, y, t0,
+                      min(TILE, t_n - t0), r0, nr, cbuf, accs)
 
 
 _NO_BIAS = np.zeros(0, np.float32)
+
+
+def _zero_groups(w) -> int:
+    """Groups of ``w``'s zero-point terms (0: none; a factored array has one per group)."""
+    return w.n_groups if w.sz.dtype == np.uint8 else w.sz.shape[1]
 
 
 def _words(wp: np.ndarray) -> np.ndarray:
@@ -282,7 +364,8 @@ def gemm_amx(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
     al = np.empty((n_tt, nb, TILE, 32), np.int8)
     dxt = np.empty((n_tt, nb, TILE), np.float32)
     _gemm_amx(y, x, _words(w.wp), w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
-              xq, dx, xg, ah, al, dxt, w.n_groups, np.float32(w.zero_scale), _CFG)
+              xq, dx, xg, ah, al, dxt, w.n_groups, _zero_groups(w), np.float32(w.zero_scale),
+              _CFG)
     return y
 
 

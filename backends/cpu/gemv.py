@@ -22,10 +22,13 @@ every row of a prefill (:mod:`.qgemm`), so decode and prefill agree bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
-from ._simd import (ACT_ORDER, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
+from ._simd import (_I8, _I32, ACT_ORDER, _declare, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
                     zero_term)
 from .repack import FIVE_BIT_ZERO, SYMMETRIC_ZERO_4BIT
 
@@ -46,6 +49,51 @@ XQ_DTYPE = np.int16
 SERIAL_MAX_BYTES = 256 * 1024
 
 
+@intrinsic
+def _quant_block(typingctx, xq, dx, x, b):
+    """One full 32-column block ``b`` of :func:`quantize_act` in vector IR: ``dx[b]`` and
+    the block's ``xq`` (lane order :data:`._simd.ACT_ORDER`) as its scalar loop computes
+    them (the max of ``|x|`` is exact in any order; every other step is per element, in
+    strict float32); returns ``sum(q)`` (int64). ``x`` needs ``32 b + 32`` columns."""
+    sig = types.int64(xq, dx, x, b)
+
+    def codegen(context, builder, signature, args):
+        a_xq, a_dx, a_x = (context.make_array(signature.args[i])(context, builder, args[i])
+                           for i in range(3))
+        i64, f32 = ir.IntType(64), ir.FloatType()
+        v32f, v32i, v32s = (ir.VectorType(f32, 32), ir.VectorType(_I32, 32),
+                            ir.VectorType(ir.IntType(16), 32))
+        mod = builder.module
+        base = builder.mul(args[3], ir.Constant(i64, BLOCK))
+        xs = cgutils.unpack_tuple(builder, a_x.strides, 1)[0]
+        xp = builder.gep(builder.bitcast(a_x.data, _I8.as_pointer()), [builder.mul(base, xs)])
+        v = builder.load(builder.bitcast(xp, v32f.as_pointer()), align=4)
+        fabs = _declare(mod, "llvm.fabs.v32f32", v32f, [v32f])
+        fmax = _declare(mod, "llvm.vector.reduce.fmax.v32f32", f32, [v32f])
+        amax = builder.call(fmax, [builder.call(fabs, [v])])
+        d = builder.fdiv(amax, ir.Constant(f32, float(ACT_LEVELS)))
+        inv = builder.select(builder.fcmp_ordered(">", d, ir.Constant(f32, 0.0)),
+                             builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
+        inv_v = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v32f, ir.Undefined), inv, ir.Constant(_I32, 0)),
+            ir.Constant(v32f, ir.Undefined), ir.Constant(v32i, [0] * 32))
+        rint = _declare(mod, "llvm.rint.v32f32", v32f, [v32f])
+        q = builder.fptosi(builder.call(rint, [builder.fmul(v, inv_v)]), v32i)
+        lim = ir.Constant(v32i, [ACT_LEVELS] * 32)
+        nlim = ir.Constant(v32i, [-ACT_LEVELS] * 32)
+        q = builder.select(builder.icmp_signed("<", q, nlim), nlim, q)
+        q = builder.select(builder.icmp_signed(">", q, lim), lim, q)
+        perm = builder.shuffle_vector(q, ir.Constant(v32i, ir.Undefined),
+                                      ir.Constant(v32i, [int(j) for j in ACT_ORDER]))
+        xqp = builder.gep(builder.bitcast(a_xq.data, ir.IntType(16).as_pointer()), [base])
+        builder.store(builder.trunc(perm, v32s), builder.bitcast(xqp, v32s.as_pointer()), align=2)
+        builder.store(d, builder.gep(a_dx.data, [args[3]]))
+        radd = _declare(mod, "llvm.vector.reduce.add.v32i32", _I32, [v32i])
+        return builder.sext(builder.call(radd, [q]), i64)
+
+    return sig, codegen
+
+
 @njit(cache=True, fastmath=False)
 def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32, xg[ng] f32
     """Quantize activations per 32-column block to integers of 15 bits and sum them per
@@ -55,7 +103,7 @@ def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32,
     ``[-ACT_LEVELS, ACT_LEVELS]``, column ``j`` stored at ``xq[32 b + ACT_ORDER[j]]``
     (the row kernels' lane order); ``xg[g] = sum_{b in g} dx[b] * sum(q_b)``. ``x`` may be
     shorter than ``nb * 32``; the tail is zero. Strict float32: every caller quantizes a
-    row alike.
+    row alike (full blocks by :func:`_quant_block`, a partial last one by the loop).
     """
     k = x.shape[0]
     nb = dx.shape[0]
@@ -63,6 +111,10 @@ def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32,
     lim = ACT_LEVELS
     for b in range(nb):
         base = b * BLOCK
+        if base + BLOCK <= k and x.strides[0] == 4:
+            s = _quant_block(xq, dx, x, b)
+            xg[bmap[b]] += dx[b] * np.float32(s)
+            continue
         amax = np.float32(0.0)
         for j in range(BLOCK):
             i = base + j
