@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
 from edgeinfer.backends.cpu._simd import ACT_ORDER
 from edgeinfer.backends.cpu.gemv import ACT_LEVELS, ActScratch, quantize_act
@@ -82,6 +83,54 @@ def test_quantize_act_integers_are_the_oracle_integers():
     assert np.abs(q).max() == ACT_LEVELS  # the block maxima use the whole range
     np.testing.assert_allclose(xg, [(d[:3] * q[:3].sum(1)).sum(), (d[3:] * q[3:].sum(1)).sum()],
                                rtol=1e-6)
+
+
+@njit(fastmath=False)
+def _quantize_scalar(xq, dx, xg, x, bmap):  # quantize_act's per-element loop for every block
+    k = x.shape[0]
+    xg[:] = 0.0
+    for b in range(dx.shape[0]):
+        amax = np.float32(0.0)
+        for j in range(32):
+            if b * 32 + j < k:
+                amax = max(amax, abs(x[b * 32 + j]))
+        d = amax / np.float32(ACT_LEVELS)
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        s = 0
+        for j in range(32):
+            q = 0
+            if b * 32 + j < k:
+                q = min(max(int(np.rint(x[b * 32 + j] * inv)), -ACT_LEVELS), ACT_LEVELS)
+            xq[b * 32 + ACT_ORDER[j]] = q
+            s += q
+        dx[b] = d
+        xg[bmap[b]] += d * np.float32(s)
+
+
+def test_vector_quantizer_equals_the_scalar_loop():
+    """Full blocks go through vector IR (``gemv._quant_block``): the same integers, scales
+    and group sums as the per-element loop, bit for bit, on scales from 1e-6 to 1e4, ties
+    at half a step, all-zero blocks, -0.0, inf / nan, and a partial last block."""
+    rng = np.random.default_rng(5)
+    for trial in range(120):
+        k = int(rng.integers(1, 700))
+        nb = -(-k // 32)
+        bmap = (np.arange(nb) // int(rng.choice([1, 2, 4]))).astype(np.int32)
+        x = (rng.standard_normal(k) * rng.choice([1e-6, 1.0, 1e4])).astype(np.float32)
+        if trial % 3 == 0:
+            x[:min(k, 32)] = 0.0
+        if trial % 4 == 0:
+            x = np.round(x * 4) / np.float32(4)  # ties after scaling
+        if trial % 5 == 0:
+            x[rng.integers(0, k)] = -0.0
+        if trial % 7 == 0:
+            x[rng.integers(0, k)] = [np.inf, np.nan][trial % 2]
+        got, want = [(np.zeros(nb * 32, np.int16), np.zeros(nb, np.float32),
+                      np.zeros(bmap[-1] + 1, np.float32)) for _ in range(2)]
+        quantize_act(*got, x, bmap)
+        _quantize_scalar(*want, x, bmap)
+        for a, b in zip(got, want):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (trial, k)
 
 
 @pytest.mark.parametrize("bits,out,n_in,group,sym", CASES)

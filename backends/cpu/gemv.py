@@ -111,7 +111,7 @@ def quantize_act(xq, dx, xg, x, bmap):  # x[K] f32 -> xq[nb*32] i16, dx[nb] f32,
     lim = ACT_LEVELS
     for b in range(nb):
         base = b * BLOCK
-        if base + BLOCK <= k and x.strides[0] == 4:
+        if base + BLOCK <= k and x.strides[0] == 4 and xq.strides[0] == 2 and dx.strides[0] == 4:
             s = _quant_block(xq, dx, x, b)
             xg[bmap[b]] += dx[b] * np.float32(s)
             continue
