@@ -383,9 +383,10 @@ def test_bench_peak_rss_within_target_smollm2(smollm2_gguf, tmp_path):
     # warm the Numba disk cache first: kernels compiled during the measured run (a fresh
     # install, or an edited kernel module) add LLVM's transient memory (measured: 349 MiB
     # with backends/cpu/plan.py's kernels not yet cached, 258 MiB once they were; 355 MiB
-    # once after a kernel edit with a 32 + 4 token warm-up): the measured run's own shapes
+    # once after a kernel edit with a 32 + 4 token warm-up; 350 once more with a
+    # `--repeat 1` warm-up): the measured run's own command
     subprocess.run([str(exe), "bench", str(eif), "--prompt-tokens", "256", "--gen-tokens",
-                    "64", "--repeat", "1", "--json", "-q"], check=True, capture_output=True)
+                    "64", "--repeat", "2", "--json", "-q"], check=True, capture_output=True)
     r = subprocess.run([str(exe), "bench", str(eif), "--prompt-tokens", "256", "--gen-tokens",
                         "64", "--repeat", "2", "--json", "-q"], check=True, capture_output=True,
                        text=True)
