@@ -126,7 +126,8 @@ def _gemv_rows(h, x, bias):  # the decode GEMV of every token: rows kernel + _fi
                                                     (64, 576, 128, False, 33),
                                                     (50, 576, 96, True, 16),
                                                     (33, 256, -1, False, 17),
-                                                    (300, 896, 128, False, 70)])
+                                                    (300, 896, 128, False, 70),
+                                                    (21, 160, 32, False, 18)])  # odd blocks
 def test_gemm_equals_the_gemv_row_by_row(out, n_in, group, sym, t_n):
     rng = np.random.default_rng(out + t_n)
     h = CPU.upload_weight(random_q(rng, out, n_in, 4, group, sym))

@@ -278,13 +278,22 @@ def _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng):
     bt[:] = 0
     sct[:] = 0
     szt[:] = 0
+    m = np.uint32(0x0F0F0F0F)
+    for c in range((nb + 1) // 2):  # a word of the chunk: block 2c's codes low, 2c + 1's high
+        for k in range(8):
+            col = c * 8 + _POS_WORD[k]
+            lo = bt[2 * c, k]
+            if 2 * c + 1 < nb:
+                hi = bt[2 * c + 1, k]
+                for n in range(nr):
+                    w = wp32[r0 + n, col]
+                    lo[n] = w & m
+                    hi[n] = (w >> np.uint32(4)) & m
+            else:
+                for n in range(nr):
+                    lo[n] = wp32[r0 + n, col] & m
     for n in range(nr):
         r = r0 + n
-        for b in range(nb):
-            sh = np.uint32(4 * (b % 2))
-            base = (b // 2) * 8
-            for k in range(8):
-                bt[b, k, n] = (wp32[r, base + _POS_WORD[k]] >> sh) & np.uint32(0x0F0F0F0F)
         for g in range(ng):
             sct[g, n] = group_value(sc, r, g, nb)
         for g in range(szt.shape[0]):
