@@ -133,7 +133,7 @@ def _zero_term_rows(builder, szt, xgrow, ngv):
     return lanes[0]
 
 
-def _splat16(builder, f):
+def _splat16(builder, f):  # float -> <16 x float>
     v = builder.insert_element(ir.Constant(_V16F32, ir.Undefined), f, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(_V16F32, ir.Undefined),
                                   ir.Constant(_V16I32, [0] * 16))
@@ -251,13 +251,13 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, 
     return sig, codegen
 
 
-def _splat_i32(builder, v):
+def _splat_i32(builder, v):  # i32 -> <16 x i32>
     x = builder.insert_element(ir.Constant(_V16I32, ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(x, ir.Constant(_V16I32, ir.Undefined),
                                   ir.Constant(_V16I32, [0] * 16))
 
 
-def _masked_store(builder, v, ptr, mask):
+def _masked_store(builder, v, ptr, mask):  # <16 x float> to ptr where mask (others untouched)
     fn = _declare(builder.module, "llvm.masked.store.v16f32.p0", ir.VoidType(),
                   [_V16F32, _V16F32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 16)])
     builder.call(fn, [v, ptr, ir.Constant(_I32, 4), mask])

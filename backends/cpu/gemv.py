@@ -28,8 +28,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
-from ._simd import (_I8, _I32, ACT_ORDER, _declare, q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4,
-                    zero_term)
+from ._simd import (_I8, _I32, ACT_ORDER, _declare, q4_rows1, q4_rows4, q5_rows1, q5_rows4,
+                    q8_rows1, q8_rows4, zero_term)
 from .repack import FIVE_BIT_ZERO, SYMMETRIC_ZERO_4BIT
 
 if BLOCKDOT:  # AMX hosts: 4-bit weights in the block-dot numerics (._blockdot, ._amx)
