@@ -275,3 +275,30 @@ def test_smollm2_catalog_file_greedy_golden_text(smollm2_pair):
     assert tok.decode(ours) == (" Emma who loved to play in the sun. She would often go to the "
                                 "beach and play with her friends. One day, she decided to go to "
                                 "the beach")
+
+
+@pytest.mark.parametrize("qtype,block_bytes,elems", [("Q8_0", 34, 32), ("Q4_1", 20, 32),
+                                                    ("Q5_0", 22, 32), ("Q6_K", 210, 256),
+                                                    ("Q4_K", 144, 256)])
+def test_relayout_by_rows_equals_relayout_whole(qtype, block_bytes, elems):
+    """Re-laying a tensor a few rows at a time (each chunk's file pages released) gives the
+    arrays of the whole-tensor relayout, byte for byte, with a partial last chunk."""
+    from edgeinfer.readers.gguf import relayout_by_rows
+    from edgeinfer.readers.gguf_blocks import relayout
+
+    rng = np.random.default_rng(block_bytes)
+    rows, nblk = 23, 512 // elems + 1
+    raw = rng.integers(0, 256, (rows, nblk * block_bytes), dtype=np.uint8)
+    for b in range(nblk):  # finite fp16 fields: the first 4 bytes of each block as small halves
+        raw[:, b * block_bytes:b * block_bytes + 4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
+    whole = relayout(raw, qtype, "w", "test")
+    parts = relayout_by_rows(raw, lambda p: relayout(p, qtype, "w", "test"),
+                             chunk_bytes=5 * raw.shape[1])  # 5 rows a chunk: 4 chunks + 3
+    for f in ("qweight", "scales", "zeros", "mins"):
+        a, b = getattr(whole, f), getattr(parts, f)
+        assert (a is None) == (b is None), f
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f
+    assert (whole.bits, whole.group_size, whole.in_features, whole.method) == (
+        parts.bits, parts.group_size, parts.in_features, parts.method)

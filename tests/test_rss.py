@@ -256,18 +256,24 @@ def test_a_tied_table_is_uploaded_as_a_weight_an_untied_one_as_a_file_view(mappe
     assert np.array_equal(be.linear(h, view.lm_head), be.linear(h, tied.lm_head))
 
 
-def test_upload_embedding_falls_back_to_a_copy():
+def test_upload_embedding_in_ram_shares_owned_codes_and_copies_views():
+    """An 8-bit table whose codes are an array of their own in RAM (a GGUF's Q8_0 table
+    after relayout) is used as it is, not copied a second time; codes that view a larger
+    array are copied."""
     from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
 
     be = CpuBackend(threads=1)
     rng = np.random.default_rng(0)
-    q = QuantizedTensor(rng.integers(-127, 128, (64, 96), dtype=np.int8),
-                        np.full((64, 1), 0.01, np.float16), None, 8, 96, 96)  # in RAM
-    w = be.upload_embedding(q)
-    assert isinstance(w, CpuQuantWeight) and w.wp.flags.owndata is not None
-    assert not np.shares_memory(w.wp, q.qweight)
+    codes = rng.integers(-127, 128, (64, 128), dtype=np.int8)
+    scales = np.full((64, 1), 0.01, np.float16)
+    owned = QuantizedTensor(codes[:, :96].copy(), scales, None, 8, 96, 96)  # in RAM
+    view = QuantizedTensor(codes[:, :96], scales, None, 8, 96, 96)  # part of a larger array
     ids = np.array([0, 63])
-    assert np.allclose(be.embed(w, ids), q.dequantize(ids), rtol=1e-6)
+    for q, shared in ((owned, True), (view, False)):
+        w = be.upload_embedding(q)
+        assert isinstance(w, CpuQuantWeight)
+        assert np.shares_memory(w.wp, q.qweight) == shared
+        assert np.allclose(be.embed(w, ids), q.dequantize(ids), rtol=1e-6)
 
 
 @linux

@@ -368,6 +368,12 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
                           bmap, zero_scale=float(FIVE_BIT_ZERO))
 
 
+def _owned_rows(a: np.ndarray, dtype) -> bool:
+    """``a`` is a C-contiguous ``dtype`` array in RAM that owns its memory (not a view of a
+    file mapping or of a larger array)."""
+    return a.dtype == dtype and a.flags.c_contiguous and a.flags.owndata
+
+
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
     """Repack a quantized weight for the CPU integer-dot kernels.
 
@@ -377,7 +383,8 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
             (:func:`has_lane_scales`).
 
     Returns:
-        The repacked weight (a new copy; the source may be a memmap).
+        The repacked weight: a new copy (the source may be a memmap), except an 8-bit
+        weight's codes already in RAM in the kernels' layout, which it shares.
 
     Raises:
         ValueError: groups straddle 32-column blocks (caller falls back to dense).
@@ -402,6 +409,9 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         c3 = codes.reshape(out, nb // 2, 2, BLOCK)
         wp = (c3[:, :, 0, :] | (c3[:, :, 1, :] << 4)).reshape(out, nb * 16)
         z = None if w.mins is not None else w.zero_points()  # float32 [out, ng], 8 when symmetric
+    elif kpad == kp and _owned_rows(w.qweight, np.int8):
+        wp = w.qweight  # already the kernels' layout, in RAM: shared, not copied
+        z = None if w.mins is not None else 0
     else:
         wp = np.zeros((out, kpad), np.int8)
         wp[:, :kp] = w.qweight

@@ -337,14 +337,47 @@ def native_loader(g: GGUFFile, info: GGUFTensorInfo) -> Callable[[], QuantizedTe
         return None
 
     def load() -> QuantizedTensor:
-        from ..backends.osmemory import release_mapped_pages
-
         raw = g.raw(info)
-        try:
-            return relayout(raw, qn, info.name, str(g.path))
-        finally:  # the file's pages of this tensor: read once, not kept resident
-            release_mapped_pages(raw)
+        return relayout_by_rows(raw, lambda part: relayout(part, qn, info.name, str(g.path)))
     return load
+
+
+#: File bytes re-laid per step of :func:`relayout_by_rows`.
+RELAYOUT_CHUNK_BYTES = 16 << 20
+
+
+def relayout_by_rows(raw: np.ndarray, relay: Callable[[np.ndarray], QuantizedTensor],
+                     chunk_bytes: int = RELAYOUT_CHUNK_BYTES) -> QuantizedTensor:
+    """``relay(raw)`` (a row-wise relayout of the file bytes ``raw [rows, row_bytes]``) done
+    ``chunk_bytes`` of rows at a time, each chunk's file pages released once read
+    (:func:`..backends.osmemory.release_mapped_pages`), into arrays made once: loading
+    holds the result and one chunk of the file, not the whole tensor's pages beside it."""
+    from ..backends.osmemory import release_mapped_pages
+
+    step = max(1, chunk_bytes // max(1, raw.shape[1]))
+    part = raw[:step]
+    try:
+        first = relay(part)
+    finally:
+        release_mapped_pages(part)
+    if raw.shape[0] <= step:
+        return first
+    names = [f for f in ("qweight", "scales", "zeros", "mins") if getattr(first, f) is not None]
+    full = {f: np.empty((raw.shape[0],) + getattr(first, f).shape[1:], getattr(first, f).dtype)
+            for f in names}
+    for f in names:
+        full[f][:step] = getattr(first, f)
+    for r0 in range(step, raw.shape[0], step):
+        part = raw[r0:r0 + step]
+        try:
+            w = relay(part)
+        finally:
+            release_mapped_pages(part)
+        for f in names:
+            full[f][r0:r0 + step] = getattr(w, f)
+    return QuantizedTensor(full["qweight"], full["scales"], full.get("zeros"), first.bits,
+                           first.group_size, first.in_features, first.method, dict(first.meta),
+                           full.get("mins"))
 
 
 def _finite_quantized(w: QuantizedTensor, name: str, where: str) -> QuantizedTensor:
