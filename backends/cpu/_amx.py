@@ -34,7 +34,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
-from ._simd import _I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, group_value
+from ._simd import (_I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, _masked_store,
+                    group_value, splat)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 
@@ -109,7 +110,7 @@ def _zero_term_rows(builder, szt, xgrow, ngv):
 
     def term(g):
         x = builder.load(_gep(builder, xgrow, g))
-        return builder.fmul(builder.load(_gep(builder, szt, g), align=4), _splat16(builder, x),
+        return builder.fmul(builder.load(_gep(builder, szt, g), align=4), splat(builder, x, 16),
                             flags=STRICT)
 
     n8 = builder.lshr(ngv, c64(3))
@@ -131,12 +132,6 @@ def _zero_term_rows(builder, szt, xgrow, ngv):
         lanes = [builder.fadd(lanes[i], lanes[i + 1], flags=STRICT)
                  for i in range(0, len(lanes), 2)]
     return lanes[0]
-
-
-def _splat16(builder, f):  # float -> <16 x float>
-    v = builder.insert_element(ir.Constant(_V16F32, ir.Undefined), f, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(_V16F32, ir.Undefined),
-                                  ir.Constant(_V16I32, [0] * 16))
 
 
 @intrinsic
@@ -216,7 +211,7 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, 
                 cl = builder.load(_gep(builder, cvec, c64(TILE + t)), align=4)
                 d = builder.sitofp(builder.add(builder.shl(ch, seven), cl), _V16F32)
                 f = builder.load(_gep(builder, a_dxt.data, builder.add(dxrow, c64(t))))
-                builder.store(builder.call(fmuladd, [d, _splat16(builder, f),
+                builder.store(builder.call(fmuladd, [d, splat(builder, f, 16),
                                                      builder.load(gaccs[t])]), gaccs[t])
         flush(builder.load(cur_g))
         builder.call(release, [])
@@ -229,7 +224,7 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, 
         xgbase = builder.bitcast(a_xg.data, i8p)
         sztv = builder.bitcast(a_szt.data, _V16F32.as_pointer())
         mask = builder.icmp_signed("<", ir.Constant(_V16I32, list(range(16))),
-                                   _splat_i32(builder, builder.trunc(nrv, _I32)))
+                                   splat(builder, builder.trunc(nrv, _I32), 16))
         v16p = _V16F32.as_pointer()
         bvec = cgutils.alloca_once_value(builder, zero16)
         with builder.if_then(builder.icmp_signed(">", nbias, c64(0))):
@@ -249,18 +244,6 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, 
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _splat_i32(builder, v):  # i32 -> <16 x i32>
-    x = builder.insert_element(ir.Constant(_V16I32, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(x, ir.Constant(_V16I32, ir.Undefined),
-                                  ir.Constant(_V16I32, [0] * 16))
-
-
-def _masked_store(builder, v, ptr, mask):  # <16 x float> to ptr where mask (others untouched)
-    fn = _declare(builder.module, "llvm.masked.store.v16f32.p0", ir.VoidType(),
-                  [_V16F32, _V16F32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 16)])
-    builder.call(fn, [v, ptr, ir.Constant(_I32, 4), mask])
 
 
 #: Word (4 codes) of a block's packed 32-byte chunk half that holds activation positions

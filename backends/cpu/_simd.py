@@ -90,16 +90,20 @@ def _declare(module, name, ret, args):
 _V4F32 = ir.VectorType(_F32, 4)
 
 
+def splat(builder, v, n):
+    """``<n x T>`` with every lane ``v`` (a scalar of type T)."""
+    vt = ir.VectorType(v.type, n)
+    vec = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, ir.Constant(vt, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
 def _splat4(builder, v):  # float -> <4 x float>
-    vec = builder.insert_element(ir.Constant(_V4F32, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, ir.Constant(_V4F32, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, 4), [0] * 4))
+    return splat(builder, v, 4)
 
 
-def _splat_f32(builder, v):
-    vec = builder.insert_element(ir.Constant(_V8F32, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, ir.Constant(_V8F32, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+def _splat_f32(builder, v):  # float -> <8 x float>
+    return splat(builder, v, 8)
 
 
 #: Flags on the kernels' order-sensitive float adds: a no-op for fadd/fmul (``arcp``
@@ -201,6 +205,16 @@ def _masked_load(builder, ptr, vty, mask):
     zero = ir.Constant(vty, [0.0 if elt == _F32 else 0] * n)
     return builder.call(fn, [builder.bitcast(ptr, vty.as_pointer()), ir.Constant(_I32, 1),
                              mask, zero])
+
+
+def _masked_store(builder, v, ptr, mask):
+    """Store the lanes of vector ``v`` where ``mask`` is set to ``ptr`` (element pointer;
+    ``llvm.masked.store``: the other lanes' memory is not touched)."""
+    vty = v.type
+    sfx = {_F32: "f32", _I8: "i8", _I16: "i16", _I32: "i32"}[vty.element]
+    fn = _declare(builder.module, f"llvm.masked.store.v{vty.count}{sfx}.p0", ir.VoidType(),
+                  [vty, vty.as_pointer(), _I32, ir.VectorType(ir.IntType(1), vty.count)])
+    builder.call(fn, [v, builder.bitcast(ptr, vty.as_pointer()), ir.Constant(_I32, 1), mask])
 
 
 def zero_accs_ir(builder, szrow, xgps, ngv, factored):

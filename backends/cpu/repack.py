@@ -369,9 +369,10 @@ def _repack_q5(w: QuantizedTensor, codes: np.ndarray) -> CpuQuantWeight:
 
 
 def _owned_rows(a: np.ndarray, dtype) -> bool:
-    """``a`` is a C-contiguous ``dtype`` array in RAM that owns its memory (not a view of a
-    file mapping or of a larger array)."""
-    return a.dtype == dtype and a.flags.c_contiguous and a.flags.owndata
+    """``a`` is a writable C-contiguous ``dtype`` array in RAM that owns its memory (not a
+    view of a file mapping or of a larger array), as the kernels take a copy."""
+    return (a.dtype == dtype and a.flags.c_contiguous and a.flags.owndata
+            and a.flags.writeable)
 
 
 def repack(w: QuantizedTensor) -> CpuQuantWeight:
@@ -409,12 +410,12 @@ def repack(w: QuantizedTensor) -> CpuQuantWeight:
         c3 = codes.reshape(out, nb // 2, 2, BLOCK)
         wp = (c3[:, :, 0, :] | (c3[:, :, 1, :] << 4)).reshape(out, nb * 16)
         z = None if w.mins is not None else w.zero_points()  # float32 [out, ng], 8 when symmetric
-    elif kpad == kp and _owned_rows(w.qweight, np.int8):
-        wp = w.qweight  # already the kernels' layout, in RAM: shared, not copied
-        z = None if w.mins is not None else 0
     else:
-        wp = np.zeros((out, kpad), np.int8)
-        wp[:, :kp] = w.qweight
+        if kpad == kp and _owned_rows(w.qweight, np.int8):
+            wp = w.qweight  # already the kernels' layout, in RAM: shared, not copied
+        else:
+            wp = np.zeros((out, kpad), np.int8)
+            wp[:, :kp] = w.qweight
         z = None if w.mins is not None else 0
     if w.bits == 4 and w.symmetric:  # sz = 8 sc: held as sc itself, zero_scale 8
         sc = half_if_exact(factor_group_terms(sc, nb))
