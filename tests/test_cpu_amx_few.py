@@ -63,7 +63,7 @@ def test_the_4_bit_gemm_path_by_token_count():
     for t, tiles in [(1, "gemm_rows"), (3, "gemm_rows"), (4, "gemm_few"), (15, "gemm_few"),
                      (16, "gemm_amx"), (300, "gemm_amx")]:
         want = tiles if _amx.HAVE_AMX else "gemm_rows"
-        assert qgemm.q4_blockdot_path(t).__name__ == want, t
+        assert qgemm.blockdot_path(t).__name__ == want, t
 
 
 @needs_tiles

@@ -1,25 +1,30 @@
-"""AMX-INT8 GEMM for a few tokens (4 to 15: a batched decode step, a speculative verify,
-a short chat turn) on 4-bit weights, straight from their row layout.
+"""AMX-INT8 GEMM for a few tokens (a batched decode step, a speculative verify, a short
+chat turn) on 4-bit weights (4 to 15 tokens) and 8-bit ones (from 3 tokens, any count),
+straight from their row layout.
 
 Each (token, row) output is the block-dot GEMV's (:mod:`._blockdot`), bit for bit: the
 tile unit gives the exact integer dot of every 32-column block and the float steps are
 the documented ones, per (row, token) lane. Unlike :func:`._amx.gemm_amx` (16-token
 tiles, weights unpacked into B tiles once per call), the weights are the A operand:
 
-* per pair of blocks and panel of 16 rows, the packed row bytes (low nibbles: block
-  ``2c``, high: ``2c + 1``) are split into two 16 x 32 int8 tiles in a ring of stack
-  slots filled :data:`AHEAD` pairs before the tiles load them (a tile load right after
-  the vector stores to its lines waits for them: ~2x slower here);
+* 4-bit: per pair of blocks and panel of 16 rows, the packed row bytes (low nibbles:
+  block ``2c``, high: ``2c + 1``) are split into two 16 x 32 int8 tiles in a ring of
+  stack slots filled :data:`AHEAD` pairs before the tiles load them (a tile load right
+  after the vector stores to its lines waits for them: ~2x slower here); 8-bit: the
+  tile loads a block's 16 x 32 codes from the rows themselves (stride: the row);
 * activations (15-bit, :func:`.gemv.quantize_act`) are split as ``q = 128 h + l`` as in
   :mod:`._amx`, and a block's B tile holds ``h`` of ``nt`` tokens then their ``l``
   (``8 x 8 nt`` bytes, VNNI order, natural column order);
+* each pair step prefetches the next panel's bytes at its offset (one line a row): in a
+  model the weights come from memory, not L2 (a 4- or 8-row SmolLM2 step 7-17% faster);
 * ``C = A B`` is ``[16 rows, 2 nt]`` int32; ``D = 128 C_h + C_l`` is gathered into
   lanes (row, token), 16 per vector, for the FMAs ``gacc = fma(float(D), dx, gacc)`` and
   ``acc = fma(gacc, sc, acc)``.
 
 Tokens go in groups of ``nt`` in {4, 8} (a group's missing tokens are zero rows).
-Against the row kernels (``benchmarks/MEASUREMENTS.md``): 1.1-1.7x at 4 tokens, 1.4-2.3x
-from 8; no gain at 2-3, so :data:`FEW_MIN_TOKENS` is 4.
+Against the row kernels (``benchmarks/MEASUREMENTS.md``): 4-bit 1.1-1.7x at 4 tokens,
+1.4-2.3x from 8, no gain at 2-3 (:data:`FEW_MIN_TOKENS`); 8-bit 1.0-1.4x at 3 tokens,
+1.3-2.2x at 4 (:data:`FEW_MIN_TOKENS_8`).
 """
 from __future__ import annotations
 
@@ -31,13 +36,13 @@ from numba.extending import intrinsic
 
 from ._amx import tile_ops
 from ._blockdot import BLOCKDOT_ROWS
-from ._simd import _I8, _I32, ACT_ORDER, _gep, group_scale
+from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_scale
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 #: Weight rows per panel (the A tile's rows).
 PANEL = 16
-#: Fewest tokens that take this path (fewer: the row kernels).
-FEW_MIN_TOKENS = 4
+#: Fewest tokens that take this path (fewer: the row kernels), 4-bit and 8-bit weights.
+FEW_MIN_TOKENS, FEW_MIN_TOKENS_8 = 4, 3
 #: Unpack slots (1 KB each; a power of two) and how many pairs ahead they are filled.
 RING, AHEAD = 8, 4
 _V16I32 = ir.VectorType(_I32, 16)
@@ -48,9 +53,10 @@ _V32I8 = ir.VectorType(_I8, 32)
 def _make_kernel(nt: int):
     """Intrinsic ``k(y, t0, tn, r0, npan, wp, sc, bact, dxp, bmap, nb)``: ``y[t0 + t, r]``
     = the block-dot ``acc`` (before the zero-point term) for the ``npan`` panels of 16
-    rows from ``r0`` and tokens ``t < tn <= nt``. ``wp`` uint8 [out, nb * 16] and ``sc``
-    as :class:`~.repack.CpuQuantWeight`'s; ``bact`` int8 [nb, 8, 8 nt] and ``dxp``
-    float32 [nb, nt] from :func:`split_tokens`; ``y`` float32 [T, out]."""
+    rows from ``r0`` and tokens ``t < tn <= nt``. ``wp`` uint8 [out, nb * 16] (4-bit) or
+    int8 [out, nb * 32] (8-bit) and ``sc`` as :class:`~.repack.CpuQuantWeight`'s; ``bact``
+    int8 [nb, 8, 8 nt] and ``dxp`` float32 [nb, nt] from :func:`split_tokens`; ``y``
+    float32 [T, out]."""
     ncol = 2 * nt   # C columns: h of each token, then l
     per = PANEL // nt  # rows per float vector (lanes (row, token), row-major)
 
@@ -60,6 +66,7 @@ def _make_kernel(nt: int):
 
         def codegen(context, builder, signature, args):
             factored = signature.args[6].dtype == types.uint8
+            eight = signature.args[5].dtype == types.int8  # 8-bit codes, else 4-bit nibbles
             a_y, a_wp, a_sc, a_ba, a_dx, a_bm = (
                 context.make_array(signature.args[i])(context, builder, args[i])
                 for i in (0, 5, 6, 7, 8, 9))
@@ -70,6 +77,9 @@ def _make_kernel(nt: int):
             i8p = _I8.as_pointer()
             ldcfg, release, tzero, tload, tstore, dpb, fmuladd = tile_ops(builder.module)
             wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
+            ahead = builder.mul(wrow, c64(PANEL))  # the next panel's rows
+            prefetch = _declare(builder.module, "llvm.prefetch.p0i8", ir.VoidType(),
+                                [i8p, _I32, _I32, _I32])
             srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
             ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
             bstride, brow = cgutils.unpack_tuple(builder, a_ba.strides, 3)[:2]
@@ -139,6 +149,12 @@ def _make_kernel(nt: int):
                             _gep(builder, dst, c64(512 + 32 * m)), _V32I8.as_pointer()),
                             align=32)
 
+                def fetch_next_panel(off):  # the next panel's bytes at off, one line a row
+                    for m in range(PANEL):
+                        builder.call(prefetch, [_gep(builder, wrows[m], builder.add(off, ahead)),
+                                                ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                                ir.Constant(_I32, 1)])
+
                 def flush(g):  # acc += gacc * sc[row, g]; gacc = 0
                     s = zero16
                     for m in range(PANEL):
@@ -165,39 +181,57 @@ def _make_kernel(nt: int):
                         builder.store(builder.call(fmuladd, [builder.sitofp(d, _V16F32), dx16,
                                                              builder.load(gaccs[j])]), gaccs[j])
 
-                for u in range(AHEAD):
-                    with builder.if_then(builder.icmp_signed(">", npairs, c64(u))):
-                        unpack(c64(u))
-                with cgutils.for_range(builder, npairs) as loop:
-                    cidx = loop.index
-                    nxt = builder.add(cidx, c64(AHEAD))
-                    with builder.if_then(builder.icmp_signed("<", nxt, npairs)):
-                        unpack(nxt)
-                    b0 = builder.mul(cidx, c64(2))
-                    b1 = builder.add(b0, c64(1))
-                    src = slot(cidx)
-                    builder.call(tzero, [t8(0)])
-                    builder.call(tzero, [t8(1)])
-                    builder.call(tload, [t8(2), src, c64(32)])
-                    builder.call(tload, [t8(3), _gep(builder, src, c64(512)), c64(32)])
-                    builder.call(tload, [t8(4), _gep(builder, abase, builder.mul(b0, bstride)),
-                                         brow])
-                    builder.call(tload, [t8(5), _gep(builder, abase, builder.mul(b1, bstride)),
-                                         brow])
-                    builder.call(dpb, [t8(0), t8(2), t8(4)])
-                    builder.call(dpb, [t8(1), t8(3), t8(5)])
-                    builder.call(tstore, [t8(0), cbs[0], c64(4 * ncol)])
-                    builder.call(tstore, [t8(1), cbs[1], c64(4 * ncol)])
-                    g0, g1 = group_of(b0), group_of(b1)
-                    with builder.if_then(builder.icmp_signed("!=", g0, builder.load(cur_g)),
+                def dots(*tiles):  # C tile k = A (codes at a_src) x B (block bidx), k = 0, 1
+                    for k, _ in enumerate(tiles):
+                        builder.call(tzero, [t8(k)])
+                    for k, (a_src, a_stride, _) in enumerate(tiles):
+                        builder.call(tload, [t8(2 + k), a_src, a_stride])
+                    for k, (_, _, bidx) in enumerate(tiles):
+                        builder.call(tload, [t8(4 + k), _gep(builder, abase,
+                                                             builder.mul(bidx, bstride)), brow])
+                    for k, _ in enumerate(tiles):
+                        builder.call(dpb, [t8(k), t8(2 + k), t8(4 + k)])
+                    for k, _ in enumerate(tiles):
+                        builder.call(tstore, [t8(k), cbs[k], c64(4 * ncol)])
+
+                def enter_group(g):
+                    with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
                                          likely=False):
                         flush(builder.load(cur_g))
-                        builder.store(g0, cur_g)
+                        builder.store(g, cur_g)
+
+                if not eight:
+                    for u in range(AHEAD):
+                        with builder.if_then(builder.icmp_signed(">", npairs, c64(u))):
+                            unpack(c64(u))
+                with cgutils.for_range(builder, npairs) as loop:
+                    cidx = loop.index
+                    b0 = builder.mul(cidx, c64(2))
+                    b1 = builder.add(b0, c64(1))
+                    fetch_next_panel(builder.mul(cidx, c64(64 if eight else 32)))
+                    if eight:  # the codes straight from the rows: 16 x 32 bytes, row stride
+                        dots((_gep(builder, wrows[0], builder.mul(b0, c64(32))), wrow, b0),
+                             (_gep(builder, wrows[0], builder.mul(b1, c64(32))), wrow, b1))
+                    else:
+                        nxt = builder.add(cidx, c64(AHEAD))
+                        with builder.if_then(builder.icmp_signed("<", nxt, npairs)):
+                            unpack(nxt)
+                        src = slot(cidx)
+                        dots((src, c64(32), b0), (_gep(builder, src, c64(512)), c64(32), b1))
+                    g0, g1 = group_of(b0), group_of(b1)
+                    enter_group(g0)
                     block(0, b0)
                     with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
                         flush(g0)
                     block(1, b1)
                     builder.store(g1, cur_g)
+                if eight:  # an odd last block
+                    blast = builder.sub(nbv, c64(1))
+                    with builder.if_then(builder.icmp_signed(
+                            "!=", builder.mul(npairs, c64(2)), nbv)):
+                        dots((_gep(builder, wrows[0], builder.mul(blast, c64(32))), wrow, blast))
+                        enter_group(group_of(blast))
+                        block(0, blast)
                 flush(builder.load(cur_g))
                 ov = builder.bitcast(outp, _V16F32.as_pointer())
                 for j in range(nt):
@@ -280,12 +314,13 @@ _NO_BIAS = np.zeros(0, np.float32)
 
 
 def gemm_few(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4-bit weight on AMX, each row
-    bit-identical to its block-dot decode GEMV; for a few tokens (module docstring).
+    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4- or 8-bit weight on AMX, each
+    row bit-identical to its block-dot decode GEMV; for a few tokens (module docstring).
 
     Args:
-        x: float32 [T, in] C-contiguous; w: 4-bit ``CpuQuantWeight``; bias: float32
-            [out] or None. The panels are cut into 4 ranges per Numba thread.
+        x: float32 [T, in] C-contiguous; w: 4-bit or 8-bit (not lane-scaled)
+            ``CpuQuantWeight``; bias: float32 [out] or None. The panels are cut into 4
+            ranges per Numba thread.
 
     Returns:
         float32 [T, out].

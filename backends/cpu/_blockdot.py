@@ -1,4 +1,4 @@
-"""Block-dot numerics for 4-bit weights: one exact int32 per (row, 32-column block).
+"""Block-dot numerics for 4- and 8-bit weights: one exact int32 per (row, 32-column block).
 
 The row kernels of :mod:`._simd` keep 8 int32 lane sums per block and apply the
 activation scale per lane (8 float FMAs per row and block, summed across lanes at the end
@@ -13,9 +13,9 @@ A GEMM can compute ``D`` any way it likes (AMX tiles: :mod:`._amx`) and still gi
 floats bit for bit, because no float operation depends on how the integer dot was
 summed. The 4 rows of a call are reduced together (a tree of pairwise adds across rows,
 what ``vphaddd`` does) into one <4 x i32>, and the float steps run on the 4 rows' lanes.
-Used for 4-bit weights where the CPU has AMX-INT8 (:data:`BLOCKDOT`), decode and prefill
-alike, whether or not the OS grants the tiles (:data:`._amx.HAVE_AMX`); elsewhere the lane
-numerics of :mod:`._simd` stay.
+Used for 4-bit weights and 8-bit ones with a scale per 32 or more columns where the CPU
+has AMX-INT8 (:data:`BLOCKDOT`), decode and prefill alike, whether or not the OS grants the
+tiles (:data:`._amx.HAVE_AMX`); elsewhere the lane numerics of :mod:`._simd` stay.
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_FEATURES, _I8, _I16, _I32, _V4F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
-                    PREFETCH_BLOCKS, _declare, _gep, _splat4, chunk_codes, group_scale)
+from ._simd import (_FEATURES, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, _V8I32,
+                    _V16I16, _V32I8, CHUNK_BYTES, PREFETCH_BLOCKS, _declare, _gep, _splat4,
+                    chunk_codes, group_scale)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
-#: 4-bit weights use these numerics in decode and prefill.
+#: 4- and 8-bit weights use these numerics in decode and prefill.
 BLOCKDOT = bool(_FEATURES.get("amx-int8", False) and _FEATURES.get("amx-tile", False))
 
 
@@ -54,8 +55,9 @@ def block_dots4(builder, vs):
 
 def _make_rows_kernel(n_rows: int):
     """Intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` (1..4) rows of a
-    4-bit weight, arguments as :func:`._simd._make_rows_kernel`; writes ``y[r] = acc``
-    of the module docstring."""
+    4-bit (``wp`` uint8, nibbles) or 8-bit (``wp`` int8, codes in column order) weight,
+    arguments as :func:`._simd._make_rows_kernel`; writes ``y[r] = acc`` of the module
+    docstring."""
 
     @intrinsic
     def kernel(typingctx, y, r0, wp, sc, xq, dx, bmap, nb):
@@ -63,6 +65,7 @@ def _make_rows_kernel(n_rows: int):
 
         def codegen(context, builder, signature, args):
             ty_sc = signature.args[3]
+            eight = signature.args[2].dtype == types.int8
             a_y, a_wp, a_sc, a_xq, a_dx, a_bm = (
                 context.make_array(signature.args[i])(context, builder, args[i])
                 for i in (0, 2, 3, 4, 5, 6))
@@ -113,6 +116,45 @@ def _make_rows_kernel(n_rows: int):
             def group_of(bidx):
                 return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
 
+            def enter_group(g):  # flush when block group g starts a new group
+                with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                     likely=False):
+                    flush(builder.load(cur_g))
+                    builder.store(g, cur_g)
+
+            def row_chunk(r, off):  # the row's bytes at off, the next ones prefetched
+                wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                  _V32I8.as_pointer()), align=1)
+                builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                        ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                        ir.Constant(_I32, 1)])
+                return wv
+
+            if eight:  # a block per step: its 32 codes sign-widened into ACT_ORDER lanes
+                zero32 = ir.Constant(_V32I8, [0] * 32)
+                lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+                hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+                with cgutils.for_range(builder, nbv) as loop:
+                    b = loop.index
+                    off = builder.mul(b, c64(32))
+                    x = act(b)
+                    enter_group(group_of(b))
+                    ps = []
+                    for r in range(n_rows):
+                        wv = row_chunk(r, off)
+                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
+                        la, lb = (builder.bitcast(builder.shuffle_vector(wv, sign, idx), _V16I16)
+                                  for idx in (lo_idx, hi_idx))
+                        ps.append(builder.add(builder.call(pmaddwd, [la, x[0]]),
+                                              builder.call(pmaddwd, [lb, x[1]])))
+                    accumulate(ps, x)
+                flush(builder.load(cur_g))
+                v = builder.load(acc)
+                for r in range(n_rows):
+                    builder.store(builder.extract_element(v, ir.Constant(_I32, r)),
+                                  _gep(builder, a_y.data, rows[r]))
+                return context.get_dummy_value()
+
             with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
                 c = loop.index
                 off = builder.mul(c, c64(CHUNK_BYTES[4]))
@@ -120,17 +162,10 @@ def _make_rows_kernel(n_rows: int):
                 b1 = builder.add(b0, c64(1))
                 x0, x1 = act(b0), act(b1)
                 g0, g1 = group_of(b0), group_of(b1)
-                with builder.if_then(builder.icmp_signed("!=", g0, builder.load(cur_g)),
-                                     likely=False):
-                    flush(builder.load(cur_g))
-                    builder.store(g0, cur_g)
+                enter_group(g0)
                 lo, hi = [], []
                 for r in range(n_rows):
-                    wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
-                                                      _V32I8.as_pointer()), align=1)
-                    builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
-                                            ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                            ir.Constant(_I32, 1)])
+                    wv = row_chunk(r, off)
                     la, lb, ha, hb = chunk_codes(builder, 4, wv, wrows[r], off)
                     lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
                                           builder.call(pmaddwd, [lb, x0[1]])))
@@ -153,5 +188,6 @@ def _make_rows_kernel(n_rows: int):
     return kernel
 
 
-#: Row kernels of the block-dot numerics, ``{n_rows: kernel}`` for 4 and 1 rows.
+#: Row kernels of the block-dot numerics, ``{n_rows: kernel}`` for 4 and 1 rows (4- or
+#: 8-bit by ``wp``'s dtype).
 BLOCKDOT_ROWS = {n: _make_rows_kernel(n) for n in (4, 1)}
