@@ -105,9 +105,10 @@ def test_users_policy_wins_and_passes_through_unchanged():
 PATHS = r"""
 import json
 from edgeinfer.backends.cpu import _blockdot, _simd, gemv, kernel_paths
-print(json.dumps({**kernel_paths(), "simd_kernel": gemv.q5_rows4 is _simd.SIMD_ROWS[(4, 5)],
+print(json.dumps({**kernel_paths(), "simd_kernel": _simd._ROWS is _simd.SIMD_ROWS,
                   "blockdot": gemv.q4_rows4 is _blockdot.BLOCKDOT_ROWS[4],
-                  "blockdot8": gemv.q8_rows4 is _blockdot.BLOCKDOT_ROWS[4]}))
+                  "blockdot8": gemv.q8_rows4 is _blockdot.BLOCKDOT_ROWS[4],
+                  "blockdot5": gemv.q5_rows4 is _blockdot.BLOCKDOT_ROWS5[4]}))
 """
 
 
@@ -124,10 +125,11 @@ def test_kernel_paths_report_what_was_chosen():
 
     p = _paths()
     assert p["gemv"] == ("avx2" if p["simd_kernel"] else "portable")
-    assert ("gemv_q4" in p) == p["blockdot"] == p["blockdot8"]  # AMX: 4-/8-bit block dots
+    assert ("gemv_q4" in p) == p["blockdot"] == p["blockdot8"] == p["blockdot5"]  # AMX
     if p["blockdot"]:
         assert p["gemv_q4"] == "avx2-blockdot" and p["qgemm_q4"] in ("amx", "avx2-blockdot")
-        assert p["gemv_q8"] == "avx2-blockdot" and p["qgemm_q8"] == p["qgemm_q4"]
+        for b in (5, 8):
+            assert p[f"gemv_q{b}"] == "avx2-blockdot" and p[f"qgemm_q{b}"] == p["qgemm_q4"]
         assert _paths(EDGEINFER_CPU_AMX="0")["qgemm_q4"] == "avx2-blockdot"
     assert p["numba"] == llb.get_host_cpu_name()
     assert p["gemm"].startswith("openblas:") and len(p["gemm"]) > len("openblas:")

@@ -118,10 +118,9 @@ def kernel_paths() -> dict[str, str]:
 
     ``gemv`` (decode integer dots, :mod:`._simd`): ``"avx2"`` or ``"portable"``;
     ``qgemm`` (prefill on quantized weights, :mod:`.qgemm`: the same row kernels);
-    on a CPU with AMX also ``gemv_q4`` / ``qgemm_q4`` and ``gemv_q8`` / ``qgemm_q8``,
-    the 4- and 8-bit weights' paths in the block-dot numerics (:mod:`._blockdot`):
-    ``"avx2-blockdot"`` rows, ``"amx"`` tiles (from 4 tokens, 8-bit from 3:
-    :mod:`._amx_few`, :mod:`._amx`);
+    on a CPU with AMX also ``gemv_qB`` / ``qgemm_qB`` for B = 4, 5, 8, those weights'
+    paths in the block-dot numerics (:mod:`._blockdot`): ``"avx2-blockdot"`` rows,
+    ``"amx"`` tiles (from 3-4 tokens: :mod:`._amx_few`, :mod:`._amx`);
     ``gemm`` (dense weights and ``exact_decode``, :mod:`.gemm`): the BLAS library and
     the core its dispatch picked, e.g. ``"openblas:Haswell"``; ``numba``: the CPU LLVM compiles the other kernels
     (attention, elementwise, fused halves) for, e.g. ``"znver3"``.
@@ -129,10 +128,10 @@ def kernel_paths() -> dict[str, str]:
     import llvmlite.binding as llb
     rows = "avx2" if _simd.HAVE_AVX2 else "portable"
     q4 = {}
-    if BLOCKDOT:  # 4- and 8-bit weights: block-dot numerics, their GEMMs on AMX tiles
+    if BLOCKDOT:  # 4-, 5-, 8-bit weights: block-dot numerics, their GEMMs on AMX tiles
         tiles = "amx" if HAVE_AMX else "avx2-blockdot"
-        q4 = {"gemv_q4": "avx2-blockdot", "qgemm_q4": tiles,
-              "gemv_q8": "avx2-blockdot", "qgemm_q8": tiles}
+        q4 = {k: v for b in (4, 5, 8)
+              for k, v in ((f"gemv_q{b}", "avx2-blockdot"), (f"qgemm_q{b}", tiles))}
     return {"gemv": rows, "qgemm": rows, **q4, "gemm": blas_core(),
             "numba": numba.config.CPU_NAME or llb.get_host_cpu_name()}
 

@@ -33,7 +33,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
+from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS5
 from ._simd import (_I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, _masked_store,
                     group_value, splat)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
@@ -362,7 +362,7 @@ def gemm_amx(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True)
-def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
+def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, five):
     t_n = x.shape[0]
     out = y.shape[1]
     nb = dx.shape[1]
@@ -370,8 +370,12 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
     nblk = out // 4
     for i in prange(nblk + out - nblk * 4):  # 4 rows (then single rows) for every token:
         for t in range(t_n):                 # the rows come from memory once, then L1
-            if i < nblk:
+            if i < nblk and five:
+                _ROWS4_5(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
+            elif i < nblk:
                 _ROWS4(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
+            elif five:
+                _ROWS1_5(y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t], bmap, nb)
             else:
                 _ROWS1(y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t], bmap, nb)
     for t in prange(t_n):
@@ -379,17 +383,18 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul):
 
 
 _ROWS4, _ROWS1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
+_ROWS4_5, _ROWS1_5 = BLOCKDOT_ROWS5[4], BLOCKDOT_ROWS5[1]
 
 
 def gemm_rows(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-    """As :func:`gemm_amx` by the block-dot row kernels, every token over each 4 rows in
-    turn: for fewer than :data:`AMX_MIN_TOKENS` tokens (a batched decode step, a short
-    speculative verify), where unpacking every panel costs more than the tiles save, and
-    where the OS refused the tile state. The same floats."""
+    """As :func:`gemm_amx` by the block-dot row kernels (4-, 5- or 8-bit weights), every
+    token over each 4 rows in turn: for fewer tokens than the tiles take
+    (:func:`.qgemm.blockdot_path`), and where the OS refused the tile state. The same
+    floats."""
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
     _gemm_rows(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
                np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE),
                np.empty((t, w.n_blocks), np.float32), np.empty((t, w.n_groups), np.float32),
-               np.float32(w.zero_scale))
+               np.float32(w.zero_scale), w.bits == 5)
     return y

@@ -1,30 +1,31 @@
 """AMX-INT8 GEMM for a few tokens (a batched decode step, a speculative verify, a short
-chat turn) on 4-bit weights (4 to 15 tokens) and 8-bit ones (from 3 tokens, any count),
-straight from their row layout.
+chat turn) on 4-bit weights (4 to 15 tokens) and 5- and 8-bit ones (from 3 tokens, any
+count), straight from their row layout.
 
 Each (token, row) output is the block-dot GEMV's (:mod:`._blockdot`), bit for bit: the
 tile unit gives the exact integer dot of every 32-column block and the float steps are
 the documented ones, per (row, token) lane. Unlike :func:`._amx.gemm_amx` (16-token
 tiles, weights unpacked into B tiles once per call), the weights are the A operand:
 
-* 4-bit: per pair of blocks and panel of 16 rows, the packed row bytes (low nibbles:
-  block ``2c``, high: ``2c + 1``) are split into two 16 x 32 int8 tiles in a ring of
-  stack slots filled :data:`AHEAD` pairs before the tiles load them (a tile load right
-  after the vector stores to its lines waits for them: ~2x slower here); 8-bit: the
-  tile loads a block's 16 x 32 codes from the rows themselves (stride: the row);
+* 4- and 5-bit: per pair of blocks and panel of 16 rows, the packed row bytes (low
+  nibbles: block ``2c``, high: ``2c + 1``; 5-bit: OR-ed with the blocks' fifth bits) are
+  split into two 16 x 32 int8 tiles in a ring of stack slots filled :data:`AHEAD` pairs
+  before the tiles load them (a tile load right after the vector stores to its lines
+  waits for them: ~2x slower here); 8-bit: the tile loads a block's 16 x 32 codes from
+  the rows themselves (stride: the row);
+* each pair step prefetches the next panel's bytes at its offset (one line a row): in a
+  model the weights come from memory, not L2 (a 4- or 8-row SmolLM2 step 7-17% faster);
 * activations (15-bit, :func:`.gemv.quantize_act`) are split as ``q = 128 h + l`` as in
   :mod:`._amx`, and a block's B tile holds ``h`` of ``nt`` tokens then their ``l``
   (``8 x 8 nt`` bytes, VNNI order, natural column order);
-* each pair step prefetches the next panel's bytes at its offset (one line a row): in a
-  model the weights come from memory, not L2 (a 4- or 8-row SmolLM2 step 7-17% faster);
 * ``C = A B`` is ``[16 rows, 2 nt]`` int32; ``D = 128 C_h + C_l`` is gathered into
   lanes (row, token), 16 per vector, for the FMAs ``gacc = fma(float(D), dx, gacc)`` and
   ``acc = fma(gacc, sc, acc)``.
 
 Tokens go in groups of ``nt`` in {4, 8} (a group's missing tokens are zero rows).
-Against the row kernels (``benchmarks/MEASUREMENTS.md``): 4-bit 1.1-1.7x at 4 tokens,
-1.4-2.3x from 8, no gain at 2-3 (:data:`FEW_MIN_TOKENS`); 8-bit 1.0-1.4x at 3 tokens,
-1.3-2.2x at 4 (:data:`FEW_MIN_TOKENS_8`).
+Against the row kernels (``benchmarks/MEASUREMENTS.md``, the README): 4-bit 1.1-1.7x at
+4 tokens, 1.4-2.3x from 8, no gain at 2-3; 8-bit 1.0-1.4x at 3 tokens, 1.3-2.2x at 4;
+5-bit 1.3-1.6x at 3 tokens, 1.6-3.7x at 4-64 (:data:`FEW_MIN_TOKENS`).
 """
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._amx import tile_ops
-from ._blockdot import BLOCKDOT_ROWS
-from ._simd import _I8, _I32, ACT_ORDER, _declare, _gep, group_scale
+from ._blockdot import BLOCKDOT_ROWS, BLOCKDOT_ROWS5
+from ._simd import _I8, _I32, ACT_ORDER, CHUNK_BYTES, _declare, _fifth_bits, _gep, group_scale
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 #: Weight rows per panel (the A tile's rows).
 PANEL = 16
-#: Fewest tokens that take this path (fewer: the row kernels), 4-bit and 8-bit weights.
-FEW_MIN_TOKENS, FEW_MIN_TOKENS_8 = 4, 3
+#: Fewest tokens that take this path (fewer: the row kernels), by the weight's bits.
+FEW_MIN_TOKENS = {4: 4, 5: 3, 8: 3}
 #: Unpack slots (1 KB each; a power of two) and how many pairs ahead they are filled.
 RING, AHEAD = 8, 4
 _V16I32 = ir.VectorType(_I32, 16)
@@ -50,14 +51,16 @@ _V16F32 = ir.VectorType(ir.FloatType(), 16)
 _V32I8 = ir.VectorType(_I8, 32)
 
 
-def _make_kernel(nt: int):
+def _make_kernel(nt: int, five: bool = False):
     """Intrinsic ``k(y, t0, tn, r0, npan, wp, sc, bact, dxp, bmap, nb)``: ``y[t0 + t, r]``
     = the block-dot ``acc`` (before the zero-point term) for the ``npan`` panels of 16
     rows from ``r0`` and tokens ``t < tn <= nt``. ``wp`` uint8 [out, nb * 16] (4-bit) or
     int8 [out, nb * 32] (8-bit) and ``sc`` as :class:`~.repack.CpuQuantWeight`'s; ``bact``
     int8 [nb, 8, 8 nt] and ``dxp`` float32 [nb, nt] from :func:`split_tokens`; ``y``
-    float32 [T, out]."""
+    float32 [T, out]; ``five``: 5-bit codes (uint8 [out, nb * 20]: 40-byte chunks, the
+    nibbles then a u32 of fifth bits per block)."""
     ncol = 2 * nt   # C columns: h of each token, then l
+    pair_bytes = CHUNK_BYTES[5] if five else CHUNK_BYTES[4]
     per = PANEL // nt  # rows per float vector (lanes (row, token), row-major)
 
     @intrinsic
@@ -138,14 +141,20 @@ def _make_kernel(nt: int):
                                                            c64(1024)))
 
                 def unpack(cidx):  # pair cidx: codes of block 2c -> slot[:512], 2c+1 -> [512:]
-                    off = builder.mul(cidx, c64(32))
+                    off = builder.mul(cidx, c64(pair_bytes))
                     dst = slot(cidx)
                     for m in range(PANEL):
                         v = builder.load(builder.bitcast(_gep(builder, wrows[m], off),
                                                          _V32I8.as_pointer()), align=1)
-                        builder.store(builder.and_(v, lo_mask), builder.bitcast(
+                        lo, hi = builder.and_(v, lo_mask), builder.lshr(v, four)
+                        if five:  # | 16 where the block's fifth bit of the column is set
+                            lo = builder.or_(lo, _fifth_bits(builder, wrows[m],
+                                                             builder.add(off, c64(32))))
+                            hi = builder.or_(hi, _fifth_bits(builder, wrows[m],
+                                                             builder.add(off, c64(36))))
+                        builder.store(lo, builder.bitcast(
                             _gep(builder, dst, c64(32 * m)), _V32I8.as_pointer()), align=32)
-                        builder.store(builder.lshr(v, four), builder.bitcast(
+                        builder.store(hi, builder.bitcast(
                             _gep(builder, dst, c64(512 + 32 * m)), _V32I8.as_pointer()),
                             align=32)
 
@@ -208,7 +217,7 @@ def _make_kernel(nt: int):
                     cidx = loop.index
                     b0 = builder.mul(cidx, c64(2))
                     b1 = builder.add(b0, c64(1))
-                    fetch_next_panel(builder.mul(cidx, c64(64 if eight else 32)))
+                    fetch_next_panel(builder.mul(cidx, c64(64 if eight else pair_bytes)))
                     if eight:  # the codes straight from the rows: 16 x 32 bytes, row stride
                         dots((_gep(builder, wrows[0], builder.mul(b0, c64(32))), wrow, b0),
                              (_gep(builder, wrows[0], builder.mul(b1, c64(32))), wrow, b1))
@@ -252,7 +261,8 @@ def _make_kernel(nt: int):
 
 
 _K4, _K8 = (_make_kernel(n) for n in (4, 8))
-_ROWS1 = BLOCKDOT_ROWS[1]
+_K4_5, _K8_5 = (_make_kernel(n, five=True) for n in (4, 8))
+_ROWS1, _ROWS1_5 = BLOCKDOT_ROWS[1], BLOCKDOT_ROWS5[1]
 _POS = np.array(ACT_ORDER, np.int64)  # column k of a block is xq[32 b + ACT_ORDER[k]]
 
 
@@ -271,7 +281,7 @@ def split_tokens(bact, dxp, xq, dx, b, t0, nt, tn):
 
 
 @njit(parallel=True, cache=True)
-def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0s, chunk):
+def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0s, chunk, five):
     t_n = x.shape[0]
     out = y.shape[1]
     nb = dx.shape[1]
@@ -289,14 +299,22 @@ def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0
         for g in range(n_grp):
             t0 = t0s[g]
             tn = min(nts[g], t_n - t0)
-            if nts[g] == 4:
+            if nts[g] == 4 and five:
+                _K4_5(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g, :, :, :32], dxp[g, :, :4],
+                      bmap, nb)
+            elif nts[g] == 4:
                 _K4(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g, :, :, :32], dxp[g, :, :4], bmap, nb)
+            elif five:
+                _K8_5(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g], dxp[g], bmap, nb)
             else:
                 _K8(y, t0, tn, p0 * PANEL, n, wp, sc, bact[g], dxp[g], bmap, nb)
         r1 = out if it == n_items - 1 else (p0 + n) * PANEL
         for t in range(t_n):
             for r in range(npan * PANEL, r1):  # rows past the last full panel: the last item
-                _ROWS1(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
+                if five:
+                    _ROWS1_5(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
+                else:
+                    _ROWS1(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
             _finish_rows(y[t], p0 * PANEL, r1 - p0 * PANEL, sz, xg[t], bias)
 
 
@@ -335,5 +353,5 @@ def gemm_few(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
               np.empty((t, nb * XQ_PER_BLOCK), XQ_DTYPE), np.empty((t, nb), np.float32),
               np.empty((t, w.n_groups), np.float32), np.float32(w.zero_scale),
               np.empty((len(nts), nb, 8, 64), np.int8), np.empty((len(nts), nb, 8), np.float32),
-              nts, t0s, chunk)
+              nts, t0s, chunk, w.bits == 5)
     return y

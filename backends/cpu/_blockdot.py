@@ -1,4 +1,5 @@
-"""Block-dot numerics for 4- and 8-bit weights: one exact int32 per (row, 32-column block).
+"""Block-dot numerics for 4-, 5- and 8-bit weights: one exact int32 per (row, 32-column
+block).
 
 The row kernels of :mod:`._simd` keep 8 int32 lane sums per block and apply the
 activation scale per lane (8 float FMAs per row and block, summed across lanes at the end
@@ -13,9 +14,10 @@ A GEMM can compute ``D`` any way it likes (AMX tiles: :mod:`._amx`) and still gi
 floats bit for bit, because no float operation depends on how the integer dot was
 summed. The 4 rows of a call are reduced together (a tree of pairwise adds across rows,
 what ``vphaddd`` does) into one <4 x i32>, and the float steps run on the 4 rows' lanes.
-Used for 4-bit weights and 8-bit ones with a scale per 32 or more columns where the CPU
-has AMX-INT8 (:data:`BLOCKDOT`), decode and prefill alike, whether or not the OS grants the
-tiles (:data:`._amx.HAVE_AMX`); elsewhere the lane numerics of :mod:`._simd` stay.
+Used for 4- and 5-bit weights and 8-bit ones with a scale per 32 or more columns where
+the CPU has AMX-INT8 (:data:`BLOCKDOT`), decode and prefill alike, whether or not the OS
+grants the tiles (:data:`._amx.HAVE_AMX`); elsewhere the lane numerics of :mod:`._simd`
+stay.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ._simd import (_FEATURES, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, 
                     chunk_codes, group_scale)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
-#: 4- and 8-bit weights use these numerics in decode and prefill.
+#: 4-, 5- and 8-bit weights use these numerics in decode and prefill.
 BLOCKDOT = bool(_FEATURES.get("amx-int8", False) and _FEATURES.get("amx-tile", False))
 
 
@@ -53,11 +55,12 @@ def block_dots4(builder, vs):
                        builder.shuffle_vector(h, h, _idx([4, 5, 6, 7])))
 
 
-def _make_rows_kernel(n_rows: int):
+def _make_rows_kernel(n_rows: int, five: bool = False):
     """Intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` (1..4) rows of a
-    4-bit (``wp`` uint8, nibbles) or 8-bit (``wp`` int8, codes in column order) weight,
-    arguments as :func:`._simd._make_rows_kernel`; writes ``y[r] = acc`` of the module
-    docstring."""
+    4-bit (``wp`` uint8, nibbles), 5-bit (``five``: nibbles and fifth bits, 40-byte
+    chunks) or 8-bit (``wp`` int8, codes in column order) weight, arguments as
+    :func:`._simd._make_rows_kernel`; writes ``y[r] = acc`` of the module docstring."""
+    bits = 5 if five else 4
 
     @intrinsic
     def kernel(typingctx, y, r0, wp, sc, xq, dx, bmap, nb):
@@ -157,7 +160,7 @@ def _make_rows_kernel(n_rows: int):
 
             with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
                 c = loop.index
-                off = builder.mul(c, c64(CHUNK_BYTES[4]))
+                off = builder.mul(c, c64(CHUNK_BYTES[bits]))
                 b0 = builder.mul(c, c64(2))
                 b1 = builder.add(b0, c64(1))
                 x0, x1 = act(b0), act(b1)
@@ -166,7 +169,7 @@ def _make_rows_kernel(n_rows: int):
                 lo, hi = [], []
                 for r in range(n_rows):
                     wv = row_chunk(r, off)
-                    la, lb, ha, hb = chunk_codes(builder, 4, wv, wrows[r], off)
+                    la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
                     lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
                                           builder.call(pmaddwd, [lb, x0[1]])))
                     hi.append(builder.add(builder.call(pmaddwd, [ha, x1[0]]),
@@ -189,5 +192,6 @@ def _make_rows_kernel(n_rows: int):
 
 
 #: Row kernels of the block-dot numerics, ``{n_rows: kernel}`` for 4 and 1 rows (4- or
-#: 8-bit by ``wp``'s dtype).
+#: 8-bit by ``wp``'s dtype); ``BLOCKDOT_ROWS5`` the 5-bit ones.
 BLOCKDOT_ROWS = {n: _make_rows_kernel(n) for n in (4, 1)}
+BLOCKDOT_ROWS5 = {n: _make_rows_kernel(n, five=True) for n in (4, 1)}

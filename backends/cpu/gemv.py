@@ -27,13 +27,14 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS
+from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS5
 from ._simd import (_I8, _I32, ACT_ORDER, _declare, q4_rows1, q4_rows4, q5_rows1, q5_rows4,
                     q8_rows1, q8_rows4, zero_term)
 from .repack import FIVE_BIT_ZERO, SYMMETRIC_ZERO_4BIT
 
-if BLOCKDOT:  # AMX hosts: 4- and 8-bit weights in the block-dot numerics (._blockdot, ._amx)
+if BLOCKDOT:  # AMX hosts: 4-, 5-, 8-bit weights in the block-dot numerics (._blockdot, ._amx)
     q4_rows4, q4_rows1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
+    q5_rows4, q5_rows1 = BLOCKDOT_ROWS5[4], BLOCKDOT_ROWS5[1]
     q8_rows4, q8_rows1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
 
 BLOCK = 32

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._amx import AMX_MIN_TOKENS, HAVE_AMX, gemm_amx, gemm_rows
-from ._amx_few import FEW_MIN_TOKENS, FEW_MIN_TOKENS_8, gemm_few
+from ._amx_few import FEW_MIN_TOKENS, gemm_few
 from ._blockdot import BLOCKDOT
 from ._simd_tokens import (TOKEN_BLOCK, q4_tok1, q4_tok2, q4_tok3, q4_tok4, q5_tok1, q5_tok2,
                            q5_tok3, q5_tok4, q8_tok1, q8_tok2, q8_tok3, q8_tok4)
@@ -91,14 +91,14 @@ _NO_BIAS = np.zeros(0, np.float32)
 
 
 def blockdot_path(t: int, bits: int = 4):
-    """The GEMM a 4- or 8-bit weight takes for ``t`` tokens on a CPU with AMX-INT8: the
-    16-token tiles (:func:`._amx.gemm_amx`, 4-bit), the few-token tiles
-    (:func:`._amx_few.gemm_few`: from 4 tokens, 8-bit from 3 and for every count), or the
-    row kernels (:func:`._amx.gemm_rows`: fewer tokens, or without the OS's tile
-    permission). All give the same floats."""
+    """The GEMM a 4-, 5- or 8-bit weight takes for ``t`` tokens on a CPU with AMX-INT8:
+    the 16-token tiles (:func:`._amx.gemm_amx`, 4-bit), the few-token tiles
+    (:func:`._amx_few.gemm_few`: from :data:`._amx_few.FEW_MIN_TOKENS`; 5- and 8-bit for
+    every count above), or the row kernels (:func:`._amx.gemm_rows`: fewer tokens, or
+    without the OS's tile permission). All give the same floats."""
     if HAVE_AMX and t >= AMX_MIN_TOKENS and bits == 4:
         return gemm_amx
-    if HAVE_AMX and t >= (FEW_MIN_TOKENS if bits == 4 else FEW_MIN_TOKENS_8):
+    if HAVE_AMX and t >= FEW_MIN_TOKENS[bits]:
         return gemm_few
     return gemm_rows
 
@@ -115,8 +115,8 @@ def gemm_int(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.nd
         float32 [T, out] (new array); the scratch (int16 [T, nb * 32] activations and
         their scales) lives for the call.
     """
-    if BLOCKDOT and (w.bits == 4 or w.bits == 8 and not w.lane_scales):
-        return blockdot_path(x.shape[0], w.bits)(x, w, bias)  # AMX hosts: the GEMV's numerics
+    if BLOCKDOT and not w.lane_scales:  # AMX hosts: the block-dot numerics of the GEMV
+        return blockdot_path(x.shape[0], w.bits)(x, w, bias)
     t = x.shape[0]
     y = np.empty((t, w.out_features), np.float32)
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
