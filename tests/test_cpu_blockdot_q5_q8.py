@@ -157,6 +157,8 @@ def test_5bit_gemm_equals_the_gemv_row_by_row(qname, out, nblk):
             assert _same(_amx.gemm_rows(x, h, bias), want)
             if _amx.HAVE_AMX and t_n >= 3:
                 assert _same(_amx_few.gemm_few(x, h, bias), want), t_n
+            if _amx.HAVE_AMX and t_n >= 9:  # the 16-token tiles, padded past T
+                assert _same(_amx.gemm_amx(x, h, bias), want), t_n
     assert np.abs(want).max() > 0
 
 
@@ -174,7 +176,7 @@ def test_the_5bit_gemv_is_the_block_dot_one():
 
 
 def test_the_5bit_gemm_path_by_token_count():
-    for t, tiles in [(1, "gemm_rows"), (2, "gemm_rows"), (3, "gemm_few"), (16, "gemm_few"),
-                     (300, "gemm_few")]:
+    for t, tiles in [(1, "gemm_rows"), (2, "gemm_rows"), (3, "gemm_few"), (31, "gemm_few"),
+                     (32, "gemm_amx"), (300, "gemm_amx")]:
         want = tiles if _amx.HAVE_AMX else "gemm_rows"
         assert qgemm.blockdot_path(t, 5).__name__ == want, t

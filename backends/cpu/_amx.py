@@ -1,4 +1,4 @@
-"""AMX-INT8 GEMM for 4-bit weights (prefill, batched decode, speculative verify).
+"""AMX-INT8 GEMM for 4- and 5-bit weights (prefill, batched decode, speculative verify).
 
 On a CPU with AMX (Intel Sapphire Rapids and later) 4-bit weights use the block-dot
 numerics of :mod:`._blockdot` in decode and here alike, so every (token, row) output is
@@ -18,8 +18,9 @@ The kernel is LLVM IR inlined into Numba (``llvm.x86.ldtilecfg``, ``tileloadd64`
 ``tdpbssd``, ``tilestored64``: Intel SDM vol. 1 ch. 18). Linux grants the tile state to
 a process on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``,
 ``Documentation/arch/x86/xstate.rst``): :data:`HAVE_AMX` is true only when it did. Fewer
-than :data:`AMX_MIN_TOKENS` tokens, or a refused request, take :func:`gemm_rows` (the
-block-dot row kernels, every token over each 4 rows): the same floats.
+than :data:`AMX_MIN_TOKENS` tokens take the few-token tiles (:mod:`._amx_few`) or, as a
+refused request does, :func:`gemm_rows` (the block-dot row kernels, every token over
+each 4 rows): the same floats.
 """
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ def _request_amx() -> bool:
 HAVE_AMX = _request_amx()
 #: Tokens and weight rows per tile.
 TILE = 16
-#: Fewest tokens that go to the tiles (fewer: :func:`gemm_rows`).
-AMX_MIN_TOKENS = 16
+#: Fewest tokens that go to these tiles, by the weight's bits (fewer: the few-token tiles
+#: of :mod:`._amx_few`, or :func:`gemm_rows`). 5-bit from 32: at 16 tokens the few-token
+#: tiles were faster, from 64 these (1.1-1.6x; the README).
+AMX_MIN_TOKENS = {4: 16, 5: 32}
 
 
 def _tile_config() -> np.ndarray:
@@ -251,22 +254,38 @@ def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, 
 _POS_WORD = np.array([int(np.argsort(ACT_ORDER)[4 * k]) // 4 for k in range(8)], np.int64)
 
 
+#: ``_SPREAD[v]``: bit i of the 4-bit ``v`` moved to bit 4 of byte i (fifth bits -> codes).
+_SPREAD = np.array([sum(((v >> i) & 1) << (8 * i + 4) for i in range(4)) for v in range(16)],
+                   np.uint32)
+
+
 @njit(cache=True)
-def _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng):
-    """The 16-row panel at ``r0`` (``nr`` real rows) of a 4-bit weight: its codes as B
-    tiles ``bt`` uint32 [nb, 8, 16] (word ``[b, k, n]``: row n's codes at activation
-    positions 4k .. 4k + 3, one byte each: the VNNI order of ``tdpbssd``), its scales and
-    zero-point terms as ``sct`` float32 [ng, 16] and ``szt`` [ngz, 16]; rows past ``nr``
-    zero. ``wp32`` is ``wp`` as uint32 words."""
+def _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng, five):
+    """The 16-row panel at ``r0`` (``nr`` real rows) of a 4-bit (or, ``five``, 5-bit)
+    weight: its codes as B tiles ``bt`` uint32 [nb, 8, 16] (word ``[b, k, n]``: row n's
+    codes at activation positions 4k .. 4k + 3, one byte each: the VNNI order of
+    ``tdpbssd``), its scales and zero-point terms as ``sct`` float32 [ng, 16] and ``szt``
+    [ngz, 16]; rows past ``nr`` zero. ``wp32`` is ``wp`` as uint32 words (a 5-bit chunk:
+    8 nibble words, then the fifth bits of its two blocks)."""
     bt[:] = 0
     sct[:] = 0
     szt[:] = 0
     m = np.uint32(0x0F0F0F0F)
+    cw = 10 if five else 8  # words per 64-column chunk
     for c in range((nb + 1) // 2):  # a word of the chunk: block 2c's codes low, 2c + 1's high
         for k in range(8):
-            col = c * 8 + _POS_WORD[k]
+            col = c * cw + _POS_WORD[k]
             lo = bt[2 * c, k]
-            if 2 * c + 1 < nb:
+            if five:  # columns 4 _POS_WORD[k] .. + 3 of the chunk: their fifth bits
+                sh = np.uint32(4 * _POS_WORD[k])
+                hi = bt[2 * c + 1, k]
+                for n in range(nr):
+                    w = wp32[r0 + n, col]
+                    f0 = (wp32[r0 + n, c * cw + 8] >> sh) & np.uint32(15)
+                    f1 = (wp32[r0 + n, c * cw + 9] >> sh) & np.uint32(15)
+                    lo[n] = (w & m) | _SPREAD[f0]
+                    hi[n] = ((w >> np.uint32(4)) & m) | _SPREAD[f1]
+            elif 2 * c + 1 < nb:
                 hi = bt[2 * c + 1, k]
                 for n in range(nr):
                     w = wp32[r0 + n, col]
@@ -284,7 +303,8 @@ def _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng):
 
 
 @njit(parallel=True, cache=True)
-def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, ngz, zmul, cfg):
+def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, ngz, zmul, cfg,
+              five):
     t_n = x.shape[0]
     nb = dx.shape[1]
     quantize_rows(xq, dx, xg, x, bmap, zmul)
@@ -314,7 +334,7 @@ def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, ngz, 
         szt = np.empty((ngz, TILE), np.float32)
         cbuf = np.empty((2, TILE, TILE), np.int32)
         accs = np.empty((TILE, TILE), np.float32)
-        _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng)
+        _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng, five)
         for tt in range(n_tt):
             t0 = tt * TILE
             amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, szt, xg, bias, bmap, y, t0,
@@ -335,12 +355,12 @@ def _words(wp: np.ndarray) -> np.ndarray:
 
 
 def gemm_amx(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4-bit weight on AMX, each row
-    bit-identical to its block-dot decode GEMV.
+    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4- or 5-bit weight on AMX, each
+    row bit-identical to its block-dot decode GEMV.
 
     Args:
-        x: float32 [T, in] C-contiguous; w: 4-bit ``CpuQuantWeight``; bias: float32 [out]
-            or None.
+        x: float32 [T, in] C-contiguous; w: 4- or 5-bit ``CpuQuantWeight``; bias: float32
+            [out] or None.
 
     Returns:
         float32 [T, out].
@@ -357,7 +377,7 @@ def gemm_amx(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
     dxt = np.empty((n_tt, nb, TILE), np.float32)
     _gemm_amx(y, x, _words(w.wp), w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias,
               xq, dx, xg, ah, al, dxt, w.n_groups, _zero_groups(w), np.float32(w.zero_scale),
-              _CFG)
+              _CFG, w.bits == 5)
     return y
 
 

@@ -92,11 +92,12 @@ _NO_BIAS = np.zeros(0, np.float32)
 
 def blockdot_path(t: int, bits: int = 4):
     """The GEMM a 4-, 5- or 8-bit weight takes for ``t`` tokens on a CPU with AMX-INT8:
-    the 16-token tiles (:func:`._amx.gemm_amx`, 4-bit), the few-token tiles
-    (:func:`._amx_few.gemm_few`: from :data:`._amx_few.FEW_MIN_TOKENS`; 5- and 8-bit for
-    every count above), or the row kernels (:func:`._amx.gemm_rows`: fewer tokens, or
+    the 16-token tiles (:func:`._amx.gemm_amx`, 4- and 5-bit from
+    :data:`._amx.AMX_MIN_TOKENS`), the few-token tiles
+    (:func:`._amx_few.gemm_few`: from :data:`._amx_few.FEW_MIN_TOKENS`; 8-bit for every
+    count above), or the row kernels (:func:`._amx.gemm_rows`: fewer tokens, or
     without the OS's tile permission). All give the same floats."""
-    if HAVE_AMX and t >= AMX_MIN_TOKENS and bits == 4:
+    if HAVE_AMX and t >= AMX_MIN_TOKENS.get(bits, t + 1):
         return gemm_amx
     if HAVE_AMX and t >= FEW_MIN_TOKENS[bits]:
         return gemm_few
