@@ -28,14 +28,21 @@ pytestmark = pytest.mark.skipif(not _simd.HAVE_AVX2, reason="the block-dot kerne
 _K4, _K1 = _blockdot.BLOCKDOT_ROWS[4], _blockdot.BLOCKDOT_ROWS[1]
 
 
-@njit(cache=False)
-def _rows(y, wp, sc, xq, dx, bmap, nb):  # every row: 4 at a time, then 1 at a time
-    out = y.shape[0]
-    n4 = out // 4
-    for i in range(n4):
-        _K4(y, 4 * i, wp, sc, xq, dx, bmap, nb)
-    for r in range(4 * n4, out):
-        _K1(y, r, wp, sc, xq, dx, bmap, nb)
+def rows_of(k4, k1):
+    """A jitted ``rows(y, wp, sc, xq, dx, bmap, nb)``: every row by the 4-row kernel
+    ``k4``, then the rest by the 1-row ``k1``."""
+    @njit(cache=False)
+    def rows(y, wp, sc, xq, dx, bmap, nb):
+        out = y.shape[0]
+        n4 = out // 4
+        for i in range(n4):
+            k4(y, 4 * i, wp, sc, xq, dx, bmap, nb)
+        for r in range(4 * n4, out):
+            k1(y, r, wp, sc, xq, dx, bmap, nb)
+    return rows
+
+
+_rows = rows_of(_K4, _K1)
 
 
 def _fma(a, b, c):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
 
 from edgeinfer.backends.cpu import CpuBackend, _amx, _amx_few, _blockdot, gemv, qgemm
 from edgeinfer.backends.cpu.gemv import _finish_rows
 from edgeinfer.backends.cpu.repack import term_values
-from test_cpu_blockdot import _act, _codes, _emulate, _gemv_rows, _rows
+from test_cpu_blockdot import _act, _codes, _emulate, _gemv_rows, _rows, rows_of
 from test_cpu_kernels import random_q
 from test_gguf_q5 import q5_blocks
 from edgeinfer.readers.gguf_blocks import relayout
@@ -60,16 +59,24 @@ def test_the_8bit_gemv_is_the_block_dot_one():
                                             (16, 576, 128), (9, 70, 64)])
 def test_8bit_gemm_equals_the_gemv_row_by_row(out, n_in, group):
     rng = np.random.default_rng(out + n_in)
-    h = CPU.upload_weight(random_q(rng, out, n_in, 8, group))
+    _assert_gemms_equal_the_gemv(CPU.upload_weight(random_q(rng, out, n_in, 8, group)), rng)
+
+
+def _assert_gemms_equal_the_gemv(h, rng):
+    """Every GEMM path of ``h`` (the backend's, the row kernels, the few-token and, 5-bit,
+    the 16-token tiles) equals the backend's decode GEMV of each token, for 2-33 tokens
+    (the GEMV itself: the ``*_gemv_is_the_block_dot_one`` tests)."""
     for t_n in (2, 3, 4, 5, 8, 9, 15, 16, 17, 33):
-        x = rng.standard_normal((t_n, n_in)).astype(np.float32)
+        x = rng.standard_normal((t_n, h.in_features)).astype(np.float32)
         x[t_n - 1, 5] = 60.0
-        for bias in (None, rng.standard_normal(out).astype(np.float32)):
-            want = _gemv_rows(h, x, bias)
+        for bias in (None, rng.standard_normal(h.out_features).astype(np.float32)):
+            want = np.stack([CPU.linear(x[t:t + 1], h, bias)[0] for t in range(t_n)])
             assert _same(qgemm.gemm_int(x, h, bias), want), (t_n, bias is None)
             assert _same(_amx.gemm_rows(x, h, bias), want)
             if _amx.HAVE_AMX and t_n >= 3:
                 assert _same(_amx_few.gemm_few(x, h, bias), want), t_n
+            if _amx.HAVE_AMX and t_n >= 9 and h.bits != 8:  # 16-token tiles, padded past T
+                assert _same(_amx.gemm_amx(x, h, bias), want), t_n
     assert np.abs(want).max() > 0
 
 
@@ -127,39 +134,14 @@ def test_5bit_rows_follow_the_documented_float_steps(qname, out, nblk):
         assert np.abs(want).max() > 0
 
 
-_R4, _R1 = _blockdot.BLOCKDOT_ROWS5[4], _blockdot.BLOCKDOT_ROWS5[1]
-
-
-@njit(cache=False)
-def _rows5(y, wp, sc, xq, dx, bmap, nb):  # every row: 4 at a time, then 1 at a time
-    out = y.shape[0]
-    n4 = out // 4
-    for i in range(n4):
-        _R4(y, 4 * i, wp, sc, xq, dx, bmap, nb)
-    for r in range(4 * n4, out):
-        _R1(y, r, wp, sc, xq, dx, bmap, nb)
-
-
-def _gemv5(h, x, bias):  # the backend's decode linear of every token
-    return np.stack([CPU.linear(x[t:t + 1], h, bias)[0] for t in range(x.shape[0])])
+_rows5 = rows_of(_blockdot.BLOCKDOT_ROWS5[4], _blockdot.BLOCKDOT_ROWS5[1])
 
 
 @pytest.mark.parametrize("qname,out,nblk", [("Q5_0", 37, 6), ("Q5_1", 64, 18), ("Q5_0", 300, 28),
                                             ("Q5_1", 16, 7)])
 def test_5bit_gemm_equals_the_gemv_row_by_row(qname, out, nblk):
     h, rng = _q5_weight(out + nblk, qname, out, nblk)
-    for t_n in (2, 3, 4, 5, 8, 9, 15, 16, 17, 33):
-        x = rng.standard_normal((t_n, h.in_features)).astype(np.float32)
-        x[t_n - 1, 5] = 60.0
-        for bias in (None, rng.standard_normal(out).astype(np.float32)):
-            want = _gemv5(h, x, bias)
-            assert _same(qgemm.gemm_int(x, h, bias), want), (t_n, bias is None)
-            assert _same(_amx.gemm_rows(x, h, bias), want)
-            if _amx.HAVE_AMX and t_n >= 3:
-                assert _same(_amx_few.gemm_few(x, h, bias), want), t_n
-            if _amx.HAVE_AMX and t_n >= 9:  # the 16-token tiles, padded past T
-                assert _same(_amx.gemm_amx(x, h, bias), want), t_n
-    assert np.abs(want).max() > 0
+    _assert_gemms_equal_the_gemv(h, rng)
 
 
 def test_the_5bit_gemv_is_the_block_dot_one():

@@ -133,7 +133,7 @@ def _make_rows_kernel(n_rows: int, five: bool = False):
                                         ir.Constant(_I32, 1)])
                 return wv
 
-            if eight:  # a block per step: its 32 codes sign-widened into ACT_ORDER lanes
+            def single_blocks():  # 8-bit: a block per step, codes sign-widened to ACT_ORDER
                 zero32 = ir.Constant(_V32I8, [0] * 32)
                 lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
                 hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
@@ -151,34 +151,31 @@ def _make_rows_kernel(n_rows: int, five: bool = False):
                         ps.append(builder.add(builder.call(pmaddwd, [la, x[0]]),
                                               builder.call(pmaddwd, [lb, x[1]])))
                     accumulate(ps, x)
-                flush(builder.load(cur_g))
-                v = builder.load(acc)
-                for r in range(n_rows):
-                    builder.store(builder.extract_element(v, ir.Constant(_I32, r)),
-                                  _gep(builder, a_y.data, rows[r]))
-                return context.get_dummy_value()
 
-            with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
-                c = loop.index
-                off = builder.mul(c, c64(CHUNK_BYTES[bits]))
-                b0 = builder.mul(c, c64(2))
-                b1 = builder.add(b0, c64(1))
-                x0, x1 = act(b0), act(b1)
-                g0, g1 = group_of(b0), group_of(b1)
-                enter_group(g0)
-                lo, hi = [], []
-                for r in range(n_rows):
-                    wv = row_chunk(r, off)
-                    la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
-                    lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
-                                          builder.call(pmaddwd, [lb, x0[1]])))
-                    hi.append(builder.add(builder.call(pmaddwd, [ha, x1[0]]),
-                                          builder.call(pmaddwd, [hb, x1[1]])))
-                accumulate(lo, x0)
-                with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
-                    flush(g0)
-                accumulate(hi, x1)
-                builder.store(g1, cur_g)
+            def chunk_blocks():  # 4-/5-bit: the two blocks of a 64-column chunk per step
+                with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
+                    c = loop.index
+                    off = builder.mul(c, c64(CHUNK_BYTES[bits]))
+                    b0 = builder.mul(c, c64(2))
+                    b1 = builder.add(b0, c64(1))
+                    x0, x1 = act(b0), act(b1)
+                    g0, g1 = group_of(b0), group_of(b1)
+                    enter_group(g0)
+                    lo, hi = [], []
+                    for r in range(n_rows):
+                        wv = row_chunk(r, off)
+                        la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
+                        lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
+                                              builder.call(pmaddwd, [lb, x0[1]])))
+                        hi.append(builder.add(builder.call(pmaddwd, [ha, x1[0]]),
+                                              builder.call(pmaddwd, [hb, x1[1]])))
+                    accumulate(lo, x0)
+                    with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
+                        flush(g0)
+                    accumulate(hi, x1)
+                    builder.store(g1, cur_g)
+
+            (single_blocks if eight else chunk_blocks)()
             flush(builder.load(cur_g))
             v = builder.load(acc)
             for r in range(n_rows):
