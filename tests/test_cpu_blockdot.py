@@ -1,4 +1,5 @@
-"""Block-dot numerics of 4-bit weights (backends/cpu/_blockdot.py, _amx.py).
+"""Block-dot numerics of 4-bit weights (backends/cpu/_blockdot.py, _amx.py); the 8-bit
+row kernels' float steps too (their GEMMs: tests/test_cpu_blockdot_q5_q8.py).
 
 * The row kernels against an exact emulation of their documented float steps: integer
   block dots, then per row ``gacc = fma(float(D), dx, gacc)`` per block and ``acc =
@@ -81,12 +82,15 @@ def _codes(qt, h):
     return c
 
 
-@pytest.mark.parametrize("out,n_in,group", [(37, 172, 32), (13, 576, 96), (9, 896, 128),
-                                            (6, 100, -1)])
-def test_rows_follow_the_documented_float_steps(out, n_in, group):
+@pytest.mark.parametrize("bits,out,n_in,group", [
+    (4, 37, 172, 32), (4, 13, 576, 96), (4, 9, 896, 128), (4, 6, 100, -1),
+    # 8-bit: codes -128..127 in column order, an odd block count, a partial last block
+    (8, 37, 192, 32), (8, 13, 800, -1), (8, 9, 896, -1), (8, 6, 70, 64), (8, 131, 576, -1)])
+def test_rows_follow_the_documented_float_steps(bits, out, n_in, group):
     rng = np.random.default_rng(out * n_in)
-    qt = random_q(rng, out, n_in, 4, group, sym=False)
+    qt = random_q(rng, out, n_in, bits, group, sym=bits == 8)
     h = CPU.upload_weight(qt)
+    assert h.bits == bits and (bits == 4 or (h.wp == -128).any())
     for scale in (1.0, 1e-3, 50.0):
         x = (rng.standard_normal(n_in) * scale).astype(np.float32)
         x[3] = 40 * scale  # one outlier block
