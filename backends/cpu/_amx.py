@@ -390,20 +390,31 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, five):
     nblk = out // 4
     for i in prange(nblk + out - nblk * 4):  # 4 rows (then single rows) for every token:
         for t in range(t_n):                 # the rows come from memory once, then L1
-            if i < nblk and five:
-                _ROWS4_5(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
-            elif i < nblk:
-                _ROWS4(y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
-            elif five:
-                _ROWS1_5(y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t], bmap, nb)
+            if i < nblk:
+                blockdot_rows(True, five, y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
             else:
-                _ROWS1(y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t], bmap, nb)
+                blockdot_rows(False, five, y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t],
+                              bmap, nb)
     for t in prange(t_n):
         _finish_rows(y[t], 0, out, sz, xg[t], bias)
 
 
 _ROWS4, _ROWS1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
 _ROWS4_5, _ROWS1_5 = BLOCKDOT_ROWS5[4], BLOCKDOT_ROWS5[1]
+
+
+@njit(cache=True, inline="always")
+def blockdot_rows(four, five, y, r0, wp, sc, xq, dx, bmap, nb):
+    """The block-dot row kernel for rows ``r0 .. r0 + 3`` (``four``) or row ``r0``: 5-bit
+    when ``five``, else 4- or 8-bit by ``wp``'s dtype (:data:`._blockdot.BLOCKDOT_ROWS`)."""
+    if four and five:
+        _ROWS4_5(y, r0, wp, sc, xq, dx, bmap, nb)
+    elif four:
+        _ROWS4(y, r0, wp, sc, xq, dx, bmap, nb)
+    elif five:
+        _ROWS1_5(y, r0, wp, sc, xq, dx, bmap, nb)
+    else:
+        _ROWS1(y, r0, wp, sc, xq, dx, bmap, nb)
 
 
 def gemm_rows(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:

@@ -35,8 +35,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._amx import tile_ops
-from ._blockdot import BLOCKDOT_ROWS, BLOCKDOT_ROWS5
+from ._amx import blockdot_rows, tile_ops
 from ._simd import _I8, _I32, ACT_ORDER, CHUNK_BYTES, _declare, _fifth_bits, _gep, group_scale
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
@@ -69,7 +68,7 @@ def _make_kernel(nt: int, five: bool = False):
 
         def codegen(context, builder, signature, args):
             factored = signature.args[6].dtype == types.uint8
-            eight = signature.args[5].dtype == types.int8  # 8-bit codes, else 4-bit nibbles
+            eight = signature.args[5].dtype == types.int8  # 8-bit codes, else nibbles
             a_y, a_wp, a_sc, a_ba, a_dx, a_bm = (
                 context.make_array(signature.args[i])(context, builder, args[i])
                 for i in (0, 5, 6, 7, 8, 9))
@@ -262,7 +261,6 @@ def _make_kernel(nt: int, five: bool = False):
 
 _K4, _K8 = (_make_kernel(n) for n in (4, 8))
 _K4_5, _K8_5 = (_make_kernel(n, five=True) for n in (4, 8))
-_ROWS1, _ROWS1_5 = BLOCKDOT_ROWS[1], BLOCKDOT_ROWS5[1]
 _POS = np.array(ACT_ORDER, np.int64)  # column k of a block is xq[32 b + ACT_ORDER[k]]
 
 
@@ -311,10 +309,7 @@ def _gemm_few(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, bact, dxp, nts, t0
         r1 = out if it == n_items - 1 else (p0 + n) * PANEL
         for t in range(t_n):
             for r in range(npan * PANEL, r1):  # rows past the last full panel: the last item
-                if five:
-                    _ROWS1_5(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
-                else:
-                    _ROWS1(y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
+                blockdot_rows(False, five, y[t], r, wp, sc, xq[t], dx[t], bmap, nb)
             _finish_rows(y[t], p0 * PANEL, r1 - p0 * PANEL, sz, xg[t], bias)
 
 
@@ -332,11 +327,11 @@ _NO_BIAS = np.zeros(0, np.float32)
 
 
 def gemm_few(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4- or 8-bit weight on AMX, each
-    row bit-identical to its block-dot decode GEMV; for a few tokens (module docstring).
+    """y[T, out] = x[T, in] @ W[out, in].T (+ bias) for a 4-, 5- or 8-bit weight on AMX,
+    each row bit-identical to its block-dot decode GEMV; for a few tokens (module docstring).
 
     Args:
-        x: float32 [T, in] C-contiguous; w: 4-bit or 8-bit (not lane-scaled)
+        x: float32 [T, in] C-contiguous; w: 4-, 5- or 8-bit (not lane-scaled)
             ``CpuQuantWeight``; bias: float32 [out] or None. The panels are cut into 4
             ranges per Numba thread.
 

@@ -355,24 +355,22 @@ def relayout_by_rows(raw: np.ndarray, relay: Callable[[np.ndarray], QuantizedTen
     from ..backends.osmemory import release_mapped_pages
 
     step = max(1, chunk_bytes // max(1, raw.shape[1]))
-    part = raw[:step]
-    try:
-        first = relay(part)
-    finally:
-        release_mapped_pages(part)
+
+    def relay_rows(r0: int) -> QuantizedTensor:
+        part = raw[r0:r0 + step]
+        try:
+            return relay(part)
+        finally:
+            release_mapped_pages(part)
+
+    first = relay_rows(0)
     if raw.shape[0] <= step:
         return first
     names = [f for f in ("qweight", "scales", "zeros", "mins") if getattr(first, f) is not None]
     full = {f: np.empty((raw.shape[0],) + getattr(first, f).shape[1:], getattr(first, f).dtype)
             for f in names}
-    for f in names:
-        full[f][:step] = getattr(first, f)
-    for r0 in range(step, raw.shape[0], step):
-        part = raw[r0:r0 + step]
-        try:
-            w = relay(part)
-        finally:
-            release_mapped_pages(part)
+    for r0 in range(0, raw.shape[0], step):
+        w = first if r0 == 0 else relay_rows(r0)
         for f in names:
             full[f][r0:r0 + step] = getattr(w, f)
     return QuantizedTensor(full["qweight"], full["scales"], full.get("zeros"), first.bits,
