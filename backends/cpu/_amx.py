@@ -64,7 +64,7 @@ HAVE_AMX = _request_amx()
 TILE = 16
 #: Fewest tokens that go to these tiles, by the weight's bits (fewer: the few-token tiles
 #: of :mod:`._amx_few`, or :func:`gemm_rows`). 5-bit from 32: at 16 tokens the few-token
-#: tiles were faster, from 64 these (1.1-1.6x; the README).
+#: tiles were faster, from 64 these (1.07-1.66x; the README).
 AMX_MIN_TOKENS = {4: 16, 5: 32}
 
 
