@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd_k
+from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd_k, qlane
 from edgeinfer.backends.cpu.gemv import SERIAL_MAX_BYTES, ActScratch, quantize_act
 from edgeinfer.backends.cpu.repack import factor_lane_scales, repack_lanes8
 from edgeinfer.backends.quantized import QuantizedTensor
@@ -212,6 +212,30 @@ def test_activation_rounding_bound_and_row_identity(t):
         assert (np.abs(y[i] - ref[i]) <= bound).all()
         assert bits_equal(CPU.linear(x[i:i + 1], h, bias)[0], y[i])
     assert nerr(y, ref) > 0  # control: the activation rounding is there
+
+
+@pytest.mark.skipif(not _simd_k.HAVE_AVX2, reason="the multi-token kernel is AVX2 code")
+@pytest.mark.parametrize("rows,t", [(45, 4), (45, 7), (6, 33), (37, 40)])
+def test_multi_token_gemm_equals_the_token_by_token_one(rows, t):
+    """The prefill GEMM that builds each block's 6-bit codes once for 4 tokens
+    (``qlane._gemm_q6l_tokens``, chosen from 4 tokens) gives the token-by-token GEMM's
+    bits: full 4-token steps, token tails, a row count with no 4-row blocks, bias."""
+    rng = np.random.default_rng(rows * t)
+    w = relayout(q6k_blocks(rng, rows, 3), "Q6_K", "t", "x.gguf")
+    h = CPU.upload_weight(w)
+    x = rng.standard_normal((t, w.in_features)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    ys = []
+    for gemm in (qlane._gemm_q6l, qlane._gemm_q6l_tokens):
+        y = np.full((t, rows), np.nan, np.float32)
+        xq = np.empty((t, h.n_blocks * 32), np.int16)
+        dx = np.empty((t, h.n_blocks), np.float32)
+        xg = np.empty((t, h.n_groups), np.float32)
+        gemm(y, x, h.wp, h.sc, h.sz, h.bmap, bias, xq, dx, xg)
+        ys.append(y)
+    assert np.isfinite(ys[1]).all() and bits_equal(ys[0], ys[1])
+    assert bits_equal(CPU.linear(x, h, bias), ys[1])
+    assert qlane.LANE6_TOKENS == 4 and qlane.q6l_row_tokens is not None
 
 
 def test_padded_row_embedding_and_exact_decode():

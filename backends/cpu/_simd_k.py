@@ -109,7 +109,7 @@ def _make_lane_rows_kernel(n_rows: int):
                     s2 = builder.load(builder.bitcast(_gep(builder, srows[r], soff),
                                                       _V2F32.as_pointer()), align=4)
                     s8 = builder.shuffle_vector(s2, ir.Constant(_V2F32, ir.Undefined), halves)
-                    t = builder.fmul(builder.sitofp(p32, _V8F32), f)
+                    t = builder.fmul(builder.sitofp(p32, _V8F32), f, flags=STRICT)
                     builder.store(builder.call(fmuladd, [t, s8, builder.load(accs[r])]),
                                   accs[r])
             for r in range(n_rows):
@@ -139,112 +139,149 @@ def _high_crumbs(builder, row, at):
     return builder.bitcast(builder.shl(v, ir.Constant(_V4I64, [4] * 4)), _V32I8)
 
 
-def _make_lane6_rows_kernel(n_rows: int):
+def _lane6_codes(builder, wv, row, off, h):
+    """Half ``h`` (block ``2c + h``) of a 6-bit chunk as two ``<16 x i16>`` code vectors
+    (:data:`._simd.ACT_ORDER`'s lane order): ``wv`` the chunk's 32 nibble bytes, ``row``
+    the row's i8*, ``off`` the chunk's byte offset; codes ``nibble | crumb << 4`` minus 32."""
+    i64 = ir.IntType(64)
+    nib = (builder.and_(wv, ir.Constant(_V32I8, [15] * 32)) if h == 0 else
+           builder.lshr(wv, ir.Constant(_V32I8, [4] * 32)))
+    u = builder.or_(nib, _high_crumbs(builder, row, builder.add(off, ir.Constant(i64, 32 + 8 * h))))
+    s8 = builder.sub(u, ir.Constant(_V32I8, [32] * 32))
+    sign = builder.sext(builder.icmp_signed("<", s8, ir.Constant(_V32I8, [0] * 32)), _V32I8)
+    return tuple(builder.bitcast(builder.shuffle_vector(
+        s8, sign, ir.Constant(ir.VectorType(_I32, 32), idx)), _V16I16)
+        for idx in (_UNPACK_LO, _UNPACK_HI))
+
+
+def _lane6_scales(builder, srow, b, dat):
+    """``<8 x float>``: block ``b``'s two lane scales ``float(q) * d`` (exact, :data:`STRICT`)
+    of a 6-bit weight's packed scale row ``srow`` (i8*; super-block scales from byte
+    ``dat``), each repeated over its four lanes."""
+    i64 = ir.IntType(64)
+    q2 = builder.load(builder.bitcast(_gep(builder, srow, builder.mul(b, ir.Constant(i64, 2))),
+                                      ir.VectorType(_I8, 2).as_pointer()), align=1)
+    dp = _gep(builder, srow, builder.add(dat, builder.mul(builder.ashr(b, ir.Constant(i64, 3)),
+                                                          ir.Constant(i64, 4))))
+    dv = builder.load(builder.bitcast(dp, _F32.as_pointer()), align=1)
+    d2 = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(_V2F32, ir.Undefined), dv, ir.Constant(_I32, 0)),
+        ir.Constant(_V2F32, ir.Undefined), ir.Constant(ir.VectorType(_I32, 2), [0, 0]))
+    s2 = builder.fmul(builder.sitofp(q2, _V2F32), d2, flags=STRICT)
+    return builder.shuffle_vector(s2, ir.Constant(_V2F32, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
+
+
+def _make_lane6_rows_kernel(n_rows: int, n_tok: int = 0):
     """As :func:`_make_lane_rows_kernel` on a 6-bit weight (:mod:`.repack`, ``bits`` 6):
     ``wp`` uint8 ``[rows, nb * 24]`` (48-byte chunks: nibbles, then the high-bit crumbs
     of block ``2c``, then of ``2c + 1``), ``sc`` uint8 ``[rows, A + 4 nsb]`` (int8 lane scales,
     float32 super-block scales from byte ``A``, :func:`.repack.lane6_scale_offset`); ``nb``
     even. Each block's codes are built in bytes (nibble | high crumb << 4, minus 32),
-    then run as the 8-bit kernel; its two lane scales are ``float(q) * d`` (exact)."""
+    then run as the 8-bit kernel; its two lane scales are ``float(q) * d`` (exact).
 
-    @intrinsic
-    def kernel(typingctx, y, r0, wp, sc, xq, dx, nb):
-        sig = types.void(y, r0, wp, sc, xq, dx, nb)
+    With ``n_tok`` > 0 the kernel is ``k(y, r0, wp, sc, xq, dx, nb, t0)`` over ``n_tok``
+    token rows from ``t0`` of ``y`` float32 [T, rows], ``xq`` int16 [T, nb * 32], ``dx``
+    float32 [T, nb]: each block's codes and scales are built once for all of them, and
+    each (row, token) runs the single-token kernel's steps in its order (the same bits).
+    """
 
-        def codegen(context, builder, signature, args):
-            ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx, _ = signature.args
-            a_y = context.make_array(ty_y)(context, builder, args[0])
-            a_wp = context.make_array(ty_wp)(context, builder, args[2])
-            a_sc = context.make_array(ty_sc)(context, builder, args[3])
-            a_xq = context.make_array(ty_xq)(context, builder, args[4])
-            a_dx = context.make_array(ty_dx)(context, builder, args[5])
-            i64 = ir.IntType(64)
-            r0v, nbv = args[1], args[6]
-            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]  # bytes per code row
-            srow = cgutils.unpack_tuple(builder, a_sc.strides, 2)[0]  # bytes per scale row
-            mod = builder.module
-            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
-            fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
-            prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
-                                [_I8.as_pointer(), _I32, _I32, _I32])
-            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
-            sbase = builder.bitcast(a_sc.data, _I8.as_pointer())
-            xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
-            ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
-            # byte offset of the float32 super-block scales: (2 nb + 3) & ~3
-            dat = builder.and_(builder.add(builder.mul(nbv, ir.Constant(i64, 2)),
-                                           ir.Constant(i64, 3)), ir.Constant(i64, -4))
-            zero8 = ir.Constant(_V8F32, [0.0] * 8)
-            zero32 = ir.Constant(_V32I8, [0] * 32)
-            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
-            halves = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
-            v2i8 = ir.VectorType(_I8, 2)
-            accs, wrows, srows = [], [], []
-            for r in range(n_rows):
+    def codegen(context, builder, signature, args):
+        ty_y, _, ty_wp, ty_sc, ty_xq, ty_dx = signature.args[:6]
+        a_y = context.make_array(ty_y)(context, builder, args[0])
+        a_wp = context.make_array(ty_wp)(context, builder, args[2])
+        a_sc = context.make_array(ty_sc)(context, builder, args[3])
+        a_xq = context.make_array(ty_xq)(context, builder, args[4])
+        a_dx = context.make_array(ty_dx)(context, builder, args[5])
+        i64 = ir.IntType(64)
+        r0v, nbv = args[1], args[6]
+        wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]  # bytes per code row
+        srow = cgutils.unpack_tuple(builder, a_sc.strides, 2)[0]  # bytes per scale row
+        mod = builder.module
+        pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+        prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
+                            [_I8.as_pointer(), _I32, _I32, _I32])
+        wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+        sbase = builder.bitcast(a_sc.data, _I8.as_pointer())
+        ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
+        # byte offset of the float32 super-block scales: (2 nb + 3) & ~3
+        dat = builder.and_(builder.add(builder.mul(nbv, ir.Constant(i64, 2)),
+                                       ir.Constant(i64, 3)), ir.Constant(i64, -4))
+        n_t = max(n_tok, 1)
+
+        def token_rows(a, elem):  # token j's row of a (2-D: from t0; 1-D: the array)
+            if not n_tok:
+                return [builder.bitcast(a.data, elem.as_pointer())]
+            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+            base = builder.bitcast(a.data, _I8.as_pointer())
+            return [builder.bitcast(_gep(builder, base, builder.mul(
+                builder.add(args[7], ir.Constant(i64, j)), stride)), elem.as_pointer())
+                for j in range(n_t)]
+
+        xbases, dbases, ybases = token_rows(a_xq, _I16), token_rows(a_dx, _F32), \
+            token_rows(a_y, _F32)
+        zero8 = ir.Constant(_V8F32, [0.0] * 8)
+        accs, wrows, srows = [], [], []
+        for r in range(n_rows):
+            row_accs = []
+            for _ in range(n_t):
                 acc = cgutils.alloca_once(builder, _V8F32)
                 builder.store(zero8, acc)
-                accs.append(acc)
-                row = builder.add(r0v, ir.Constant(i64, r))
-                wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
-                srows.append(_gep(builder, sbase, builder.mul(row, srow)))
+                row_accs.append(acc)
+            accs.append(row_accs)
+            row = builder.add(r0v, ir.Constant(i64, r))
+            wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
+            srows.append(_gep(builder, sbase, builder.mul(row, srow)))
 
-            def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
-                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
-
-            nch = builder.sdiv(nbv, ir.Constant(i64, 2))
-            with cgutils.for_range(builder, nch) as loop:
-                c = loop.index
-                off = builder.mul(c, ir.Constant(i64, 48))
-                xs, fs = [], []
+        nch = builder.sdiv(nbv, ir.Constant(i64, 2))
+        with cgutils.for_range(builder, nch) as loop:
+            c = loop.index
+            off = builder.mul(c, ir.Constant(i64, 48))
+            xs, fs = [], []  # [token][half]: the activations and their block's dx
+            for j in range(n_t):
+                xs.append([])
+                fs.append([])
                 for h in range(2):
                     b = builder.add(builder.mul(c, ir.Constant(i64, 2)), ir.Constant(i64, h))
                     xo = builder.mul(b, ir.Constant(i64, 32))
-                    xs.append([builder.load(builder.bitcast(_gep(builder, xbase, builder.add(
-                        xo, ir.Constant(i64, k))), _V16I16.as_pointer()), align=2)
-                        for k in (0, 16)])
-                    fs.append(_splat_f32(builder, builder.load(_gep(builder, a_dx.data, b))))
-                for r in range(n_rows):
-                    wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
-                                                      _V32I8.as_pointer()), align=1)
-                    builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
-                                            ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                            ir.Constant(_I32, 1)])
-                    for h in range(2):
-                        b = builder.add(builder.mul(c, ir.Constant(i64, 2)), ir.Constant(i64, h))
-                        nib = (builder.and_(wv, ir.Constant(_V32I8, [15] * 32)) if h == 0 else
-                               builder.lshr(wv, ir.Constant(_V32I8, [4] * 32)))
-                        u = builder.or_(nib, _high_crumbs(
-                            builder, wrows[r], builder.add(off, ir.Constant(i64, 32 + 8 * h))))
-                        s8 = builder.sub(u, ir.Constant(_V32I8, [32] * 32))
-                        sign = builder.sext(builder.icmp_signed("<", s8, zero32), _V32I8)
-                        p32 = builder.add(
-                            builder.call(pmaddwd, [widen(s8, lo_idx, sign), xs[h][0]]),
-                            builder.call(pmaddwd, [widen(s8, hi_idx, sign), xs[h][1]]))
-                        q2 = builder.load(builder.bitcast(
-                            _gep(builder, srows[r], builder.mul(b, ir.Constant(i64, 2))),
-                            v2i8.as_pointer()), align=1)
-                        dp = _gep(builder, srows[r], builder.add(
-                            dat, builder.mul(builder.ashr(b, ir.Constant(i64, 3)),
-                                             ir.Constant(i64, 4))))
-                        dv = builder.load(builder.bitcast(dp, _F32.as_pointer()), align=1)
-                        d2 = builder.shuffle_vector(
-                            builder.insert_element(ir.Constant(_V2F32, ir.Undefined), dv,
-                                                   ir.Constant(_I32, 0)),
-                            ir.Constant(_V2F32, ir.Undefined), ir.Constant(
-                                ir.VectorType(_I32, 2), [0, 0]))
-                        s2 = builder.fmul(builder.sitofp(q2, _V2F32), d2, flags=STRICT)
-                        s8v = builder.shuffle_vector(s2, ir.Constant(_V2F32, ir.Undefined),
-                                                     halves)
-                        t = builder.fmul(builder.sitofp(p32, _V8F32), fs[h])
-                        builder.store(builder.call(fmuladd, [t, s8v, builder.load(accs[r])]),
-                                      accs[r])
+                    xs[j].append([builder.load(builder.bitcast(_gep(
+                        builder, xbases[j], builder.add(xo, ir.Constant(i64, k))),
+                        _V16I16.as_pointer()), align=2) for k in (0, 16)])
+                    fs[j].append(_splat_f32(builder, builder.load(_gep(builder, dbases[j], b))))
             for r in range(n_rows):
-                tot = _hsum8(builder, builder.load(accs[r]))
-                builder.store(tot, _gep(builder, a_y.data, builder.add(r0v, ir.Constant(i64, r))))
-            return context.get_dummy_value()
+                wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                                  _V32I8.as_pointer()), align=1)
+                builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                        ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                        ir.Constant(_I32, 1)])
+                for h in range(2):
+                    b = builder.add(builder.mul(c, ir.Constant(i64, 2)), ir.Constant(i64, h))
+                    lo, hi = _lane6_codes(builder, wv, wrows[r], off, h)
+                    s8v = _lane6_scales(builder, srows[r], b, dat)
+                    for j in range(n_t):
+                        p32 = builder.add(builder.call(pmaddwd, [lo, xs[j][h][0]]),
+                                          builder.call(pmaddwd, [hi, xs[j][h][1]]))
+                        t = builder.fmul(builder.sitofp(p32, _V8F32), fs[j][h], flags=STRICT)
+                        builder.store(builder.call(fmuladd, [t, s8v, builder.load(accs[r][j])]),
+                                      accs[r][j])
+        for r in range(n_rows):
+            for j in range(n_t):
+                tot = _hsum8(builder, builder.load(accs[r][j]))
+                builder.store(tot, _gep(builder, ybases[j],
+                                        builder.add(r0v, ir.Constant(i64, r))))
+        return context.get_dummy_value()
 
-        return sig, codegen
+    if n_tok:
+        @intrinsic
+        def kernel_tokens(typingctx, y, r0, wp, sc, xq, dx, nb, t0):
+            return types.void(y, r0, wp, sc, xq, dx, nb, t0), codegen
+
+        return kernel_tokens
+
+    @intrinsic
+    def kernel(typingctx, y, r0, wp, sc, xq, dx, nb):
+        return types.void(y, r0, wp, sc, xq, dx, nb), codegen
 
     return kernel
 
@@ -331,3 +368,9 @@ SIMD_LANE6_ROWS = {4: _make_lane6_rows_kernel(4), 1: _make_lane6_rows_kernel(1)}
 PORTABLE_LANE6_ROWS = {4: _p_lane6_rows4, 1: _p_lane6_rows1}
 _ROWS6 = SIMD_LANE6_ROWS if HAVE_AVX2 else PORTABLE_LANE6_ROWS
 q6l_rows4, q6l_rows1 = _ROWS6[4], _ROWS6[1]
+#: Token rows per call of the multi-token 6-bit kernel (:func:`_make_lane6_rows_kernel`
+#: with ``n_tok``; 1 row: its 4 accumulators stay in registers on AVX2's 16).
+LANE6_TOKENS = 4
+#: ``k(y, r0, wp, sc, xq, dx, nb, t0)``: 1 row x :data:`LANE6_TOKENS` tokens (AVX2 hosts;
+#: None elsewhere, where the prefill GEMM runs the row kernels token by token).
+q6l_row_tokens = _make_lane6_rows_kernel(1, LANE6_TOKENS) if HAVE_AVX2 else None

@@ -7,7 +7,9 @@ kernels of :mod:`._simd_k` take exact integer dots per half block and apply
 ``dx_b * s_(half)`` per lane, and :func:`.gemv._finish_rows` adds the bias. Prefill
 runs that same per-row computation for each token (tiled as :mod:`.qgemm`: weight tiles
 of ``TILE_BLOCKS`` 4-row blocks by token chunks of ``TILE_TOKENS``), so decode and
-prefill agree bit for bit whatever the number of rows.
+prefill agree bit for bit whatever the number of rows. For 6-bit weights on AVX2 hosts
+the prefill kernel builds each row's codes once for ``LANE6_TOKENS`` tokens
+(:data:`._simd_k.q6l_row_tokens`, the same steps per token).
 
 Weights (:class:`.repack.CpuQuantWeight` with ``lane_scales``): ``wp`` int8
 ``[out, nb * 32]``, ``sc`` float32 ``[out, 2 * nb]``, ``sz`` float32 ``[out, 0]``
@@ -21,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd_k import lane6_code, lane6_scale, q6l_rows1, q6l_rows4, q8l_rows1, q8l_rows4
+from ._simd_k import (LANE6_TOKENS, lane6_code, lane6_scale, q6l_rows1, q6l_rows4,
+                      q6l_row_tokens, q8l_rows1, q8l_rows4)
 from .elementwise import (dequant_rows_q4, dequant_rows_q4_sym, dequant_rows_q5,
                           dequant_rows_q5_sym, dequant_rows_q8)
 from .gemv import SERIAL_MAX_BYTES, XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_act
@@ -145,6 +148,35 @@ def _gemm_q6l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q8l, 6-bit 
                 _lane6_block(i, nblk, y[t], wp, sc, sz, bias, xq[t], dx[t], xg[t])
 
 
+@njit(parallel=True, cache=True, fastmath=True)
+def _gemm_q6l_tokens(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q6l, 4 tokens a call
+    t_n = x.shape[0]
+    for t in prange(t_n):
+        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
+    out = y.shape[1]
+    nb = dx.shape[1]
+    tile_rows = 4 * TILE_BLOCKS
+    n_tiles = -(-out // tile_rows)
+    n_chunks = -(-t_n // TILE_TOKENS)
+    for it in prange(n_tiles * n_chunks):
+        tile = it // n_chunks
+        c = it - tile * n_chunks
+        r1 = min(out, (tile + 1) * tile_rows)
+        t0, t1 = c * TILE_TOKENS, min(t_n, (c + 1) * TILE_TOKENS)
+        for ra in range(tile * tile_rows, r1, 4):  # 4 rows over the same 4 tokens (in L1)
+            rb = min(r1, ra + 4)
+            t = t0
+            while t + LANE6_TOKENS <= t1:
+                for r in range(ra, rb):
+                    q6l_row_tokens(y, r, wp, sc, xq, dx, nb, t)
+                t += LANE6_TOKENS
+            for j in range(t, t1):
+                for r in range(ra, rb):
+                    q6l_rows1(y[j], r, wp, sc, xq[j], dx[j], nb)
+            for j in range(t0, t1):
+                _finish_rows(y[j], ra, rb - ra, sz, xg[j], bias)
+
+
 _NO_BIAS = np.zeros(0, np.float32)
 
 
@@ -165,7 +197,10 @@ def gemm_lane(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.n
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
-    gemm = _gemm_q6l if w.bits == 6 else _gemm_q8l
+    if w.bits == 6:
+        gemm = _gemm_q6l if q6l_row_tokens is None or t < LANE6_TOKENS else _gemm_q6l_tokens
+    else:
+        gemm = _gemm_q8l
     gemm(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)
     return y
 
