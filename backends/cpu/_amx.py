@@ -69,12 +69,13 @@ AMX_MIN_TOKENS = {4: 16, 5: 32}
 
 
 def _tile_config() -> np.ndarray:
-    """Palette-1 config: tiles 0, 1 int32 C (16 x 64 B); 2, 3 int8 A (16 x 32 B); 4 int8
-    B (8 x 64 B)."""
+    """Palette-1 config: tiles 0, 1, 5, 6 int32 C (16 x 64 B); 2, 3 int8 A (16 x 32 B);
+    4, 7 int8 B (8 x 64 B)."""
     cfg = np.zeros(64, np.uint8)
     cfg[0] = 1
     colsb = cfg[16:48].view(np.uint16)
-    for t, (rows, cols) in enumerate([(16, 64), (16, 64), (16, 32), (16, 32), (8, 64)]):
+    for t, (rows, cols) in enumerate([(16, 64), (16, 64), (16, 32), (16, 32), (8, 64),
+                                      (16, 64), (16, 64), (8, 64)]):
         colsb[t] = cols
         cfg[48 + t] = rows
     return cfg
@@ -137,116 +138,149 @@ def _zero_term_rows(builder, szt, xgrow, ngv):
     return lanes[0]
 
 
-@intrinsic
-def amx_panel(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
-              cbuf, accs):
-    """One 16-row panel x one 16-token tile: ``y[t0 + t, r0 + n]`` = the :mod:`._blockdot`
-    float steps over the exact tile dots, minus the zero-point term, plus the bias (the
-    float sequence of :func:`.gemv._finish_rows`), for t < nt, n < nr.
+def _make_amx_panels(n_panels: int):
+    """An intrinsic ``k(cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
+    cbuf, accs)``: ``n_panels`` (1 or 2) 16-row panels from ``r0`` x one 16-token tile:
+    ``y[t0 + t, r0 + n]`` = the :mod:`._blockdot` float steps over the exact tile dots,
+    minus the zero-point term, plus the bias (the float sequence of
+    :func:`.gemv._finish_rows`), for t < nt, n < nr (``nr`` <= 16 ``n_panels``).
 
     ``cfg`` uint8 [64] (:func:`_tile_config`), ``ah`` / ``al`` int8 [nb, 16, 32] the
-    token tile's split activations, ``bt`` [nb, 8, 64] bytes (:func:`_pack_panel`) the
-    panel's B tiles, ``dxt`` float32 [nb, 16] activation scales, ``sct`` / ``szt``
-    float32 [ng, 16] / [ngz, 16] the panel's scales and zero-point terms, ``xg`` float32
-    [T, ng] the activation group sums, ``bias`` float32 [out] or [0], ``bmap`` int32
-    [nb], ``y`` float32 [T, out] C-contiguous, ``cbuf`` int32 [2, 16, 16] and ``accs``
-    float32 [16, 16] scratch.
+    token tile's split activations, ``bt`` [P, nb, 8, 64] bytes (:func:`_pack_panel`) the
+    panels' B tiles, ``dxt`` float32 [nb, 16] activation scales, ``sct`` / ``szt``
+    float32 [P, ng, 16] / [P, ngz, 16] the panels' scales and zero-point terms, ``xg``
+    float32 [T, ng] the activation group sums, ``bias`` float32 [out] or [0], ``bmap``
+    int32 [nb], ``y`` float32 [T, out] C-contiguous, ``cbuf`` int32 [P, 2, 16, 16] and
+    ``accs`` float32 [P, 16, 16] scratch. Two panels share the activation tiles and
+    give the tile unit two independent chains of block dots (tiles 0, 1 / 5, 6).
     """
-    sig = types.void(cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
-                     cbuf, accs)
+    c_tiles = [(0, 1), (5, 6)][:n_panels]
+    b_tiles = [4, 7][:n_panels]
 
-    def codegen(context, builder, signature, args):
-        (a_cfg, a_ah, a_al, a_bt, a_dxt, a_sct, a_szt, a_xg, a_bias, a_bm, a_y,
-         _, _, _, _, a_cb, a_acc) = (
-            context.make_array(signature.args[i])(context, builder, args[i])
-            if isinstance(signature.args[i], types.Array) else None for i in range(17))
-        t0v, ntv, r0v, nrv = args[11], args[12], args[13], args[14]
-        i64 = ir.IntType(64)
-        c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
-        i8p = _I8.as_pointer()
-        ldcfg, release, tzero, tload, tstore, dpb, fmuladd = tile_ops(builder.module)
-        t8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
-        nb = cgutils.unpack_tuple(builder, a_ah.shape, 3)[0]
-        ahp = builder.bitcast(a_ah.data, i8p)
-        alp = builder.bitcast(a_al.data, i8p)
-        btp = builder.bitcast(a_bt.data, i8p)
-        cbp = builder.bitcast(a_cb.data, i8p)
-        cvec = builder.bitcast(a_cb.data, _V16I32.as_pointer())
-        accv = builder.bitcast(a_acc.data, _V16F32.as_pointer())
-        sctv = builder.bitcast(a_sct.data, _V16F32.as_pointer())
-        zero16 = ir.Constant(_V16F32, [0.0] * 16)
-        seven = ir.Constant(_V16I32, [7] * 16)
-        gaccs = [cgutils.alloca_once_value(builder, zero16) for _ in range(TILE)]
-        for t in range(TILE):
-            builder.store(zero16, _gep(builder, accv, c64(t)), align=4)
-        cur_g = cgutils.alloca_once_value(
-            builder, builder.sext(builder.load(a_bm.data), i64))
-        builder.call(ldcfg, [builder.bitcast(a_cfg.data, i8p)])
+    @intrinsic
+    def amx_panels(typingctx, cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0,
+                   nr, cbuf, accs):
+        sig = types.void(cfg, ah, al, bt, dxt, sct, szt, xg, bias, bmap, y, t0, nt, r0, nr,
+                         cbuf, accs)
 
-        def flush(g):  # acc[t] += gacc[t] * sc[g, rows]; gacc[t] = 0
-            s = builder.load(_gep(builder, sctv, g), align=4)
-            for t in range(TILE):
-                at = _gep(builder, accv, c64(t))
-                builder.store(builder.call(fmuladd, [builder.load(gaccs[t]), s,
-                                                     builder.load(at, align=4)]), at, align=4)
-                builder.store(zero16, gaccs[t])
+        def codegen(context, builder, signature, args):
+            (a_cfg, a_ah, a_al, a_bt, a_dxt, a_sct, a_szt, a_xg, a_bias, a_bm, a_y,
+             _, _, _, _, a_cb, a_acc) = (
+                context.make_array(signature.args[i])(context, builder, args[i])
+                if isinstance(signature.args[i], types.Array) else None for i in range(17))
+            t0v, ntv, r0v, nrv = args[11], args[12], args[13], args[14]
+            i64 = ir.IntType(64)
+            c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+            i8p = _I8.as_pointer()
+            ldcfg, release, tzero, tload, tstore, dpb, fmuladd = tile_ops(builder.module)
+            t8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+            nb = cgutils.unpack_tuple(builder, a_ah.shape, 3)[0]
+            ng = cgutils.unpack_tuple(builder, a_sct.shape, 3)[1]
+            ngz = cgutils.unpack_tuple(builder, a_szt.shape, 3)[1]
+            ahp = builder.bitcast(a_ah.data, i8p)
+            alp = builder.bitcast(a_al.data, i8p)
+            btp = [_gep(builder, builder.bitcast(a_bt.data, i8p), builder.mul(c64(p * 512), nb))
+                   for p in range(n_panels)]
+            cbp = [_gep(builder, builder.bitcast(a_cb.data, i8p), c64(p * 2048))
+                   for p in range(n_panels)]
+            cvec = [builder.bitcast(c, _V16I32.as_pointer()) for c in cbp]
+            accv = [_gep(builder, builder.bitcast(a_acc.data, _V16F32.as_pointer()),
+                         c64(p * TILE)) for p in range(n_panels)]
+            sctv = [_gep(builder, builder.bitcast(a_sct.data, _V16F32.as_pointer()),
+                         builder.mul(c64(p), ng)) for p in range(n_panels)]
+            sztv = [_gep(builder, builder.bitcast(a_szt.data, _V16F32.as_pointer()),
+                         builder.mul(c64(p), ngz)) for p in range(n_panels)]
+            zero16 = ir.Constant(_V16F32, [0.0] * 16)
+            seven = ir.Constant(_V16I32, [7] * 16)
+            gaccs = [[cgutils.alloca_once_value(builder, zero16) for _ in range(TILE)]
+                     for _ in range(n_panels)]
+            for p in range(n_panels):
+                for t in range(TILE):
+                    builder.store(zero16, _gep(builder, accv[p], c64(t)), align=4)
+            cur_g = cgutils.alloca_once_value(
+                builder, builder.sext(builder.load(a_bm.data), i64))
+            builder.call(ldcfg, [builder.bitcast(a_cfg.data, i8p)])
 
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            g = builder.sext(builder.load(_gep(builder, a_bm.data, b)), i64)
-            with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
-                                 likely=False):
-                flush(builder.load(cur_g))
-                builder.store(g, cur_g)
-            off = builder.mul(b, c64(512))
-            builder.call(tzero, [t8(0)])
-            builder.call(tzero, [t8(1)])
-            builder.call(tload, [t8(2), _gep(builder, ahp, off), c64(32)])
-            builder.call(tload, [t8(3), _gep(builder, alp, off), c64(32)])
-            builder.call(tload, [t8(4), _gep(builder, btp, off), c64(64)])
-            builder.call(dpb, [t8(0), t8(2), t8(4)])
-            builder.call(dpb, [t8(1), t8(3), t8(4)])
-            builder.call(tstore, [t8(0), cbp, c64(64)])
-            builder.call(tstore, [t8(1), _gep(builder, cbp, c64(1024)), c64(64)])
-            dxrow = builder.mul(b, c64(TILE))
-            for t in range(TILE):  # gacc[t] += float(128 C_h + C_l) * dx[t, b]
-                ch = builder.load(_gep(builder, cvec, c64(t)), align=4)
-                cl = builder.load(_gep(builder, cvec, c64(TILE + t)), align=4)
-                d = builder.sitofp(builder.add(builder.shl(ch, seven), cl), _V16F32)
-                f = builder.load(_gep(builder, a_dxt.data, builder.add(dxrow, c64(t))))
-                builder.store(builder.call(fmuladd, [d, splat(builder, f, 16),
-                                                     builder.load(gaccs[t])]), gaccs[t])
-        flush(builder.load(cur_g))
-        builder.call(release, [])
-        # y = acc - zero term (+ bias): _finish_rows' float sequence, 16 rows per vector
-        ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
-        xstride = cgutils.unpack_tuple(builder, a_xg.strides, 2)[0]
-        ngz = cgutils.unpack_tuple(builder, a_szt.shape, 2)[0]
-        nbias = cgutils.unpack_tuple(builder, a_bias.shape, 1)[0]
-        ybase = builder.bitcast(a_y.data, i8p)
-        xgbase = builder.bitcast(a_xg.data, i8p)
-        sztv = builder.bitcast(a_szt.data, _V16F32.as_pointer())
-        mask = builder.icmp_signed("<", ir.Constant(_V16I32, list(range(16))),
-                                   splat(builder, builder.trunc(nrv, _I32), 16))
-        v16p = _V16F32.as_pointer()
-        bvec = cgutils.alloca_once_value(builder, zero16)
-        with builder.if_then(builder.icmp_signed(">", nbias, c64(0))):
-            bp = _gep(builder, builder.bitcast(a_bias.data, ir.FloatType().as_pointer()), r0v)
-            builder.store(_masked_load(builder, bp, _V16F32, mask), bvec)
-        with cgutils.for_range(builder, ntv) as tl:
-            tok = builder.add(t0v, tl.index)
-            xgrow = builder.bitcast(_gep(builder, xgbase, builder.mul(tok, xstride)),
-                                    ir.FloatType().as_pointer())
-            v = builder.fsub(builder.load(_gep(builder, accv, tl.index), align=4),
-                             _zero_term_rows(builder, sztv, xgrow, ngz))
-            v = builder.select(builder.icmp_signed(">", nbias, c64(0)),
-                               builder.fadd(v, builder.load(bvec)), v)
-            rowp = _gep(builder, ybase, builder.mul(tok, ystride))
-            rowp = _gep(builder, builder.bitcast(rowp, ir.FloatType().as_pointer()), r0v)
-            _masked_store(builder, v, builder.bitcast(rowp, v16p), mask)
-        return context.get_dummy_value()
+            def flush(g):  # acc[t] += gacc[t] * sc[g, rows]; gacc[t] = 0
+                for p in range(n_panels):
+                    s = builder.load(_gep(builder, sctv[p], g), align=4)
+                    for t in range(TILE):
+                        at = _gep(builder, accv[p], c64(t))
+                        builder.store(builder.call(fmuladd, [builder.load(gaccs[p][t]), s,
+                                                             builder.load(at, align=4)]),
+                                      at, align=4)
+                        builder.store(zero16, gaccs[p][t])
 
-    return sig, codegen
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                g = builder.sext(builder.load(_gep(builder, a_bm.data, b)), i64)
+                with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                     likely=False):
+                    flush(builder.load(cur_g))
+                    builder.store(g, cur_g)
+                off = builder.mul(b, c64(512))
+                for ch, cl in c_tiles:
+                    builder.call(tzero, [t8(ch)])
+                    builder.call(tzero, [t8(cl)])
+                builder.call(tload, [t8(2), _gep(builder, ahp, off), c64(32)])
+                builder.call(tload, [t8(3), _gep(builder, alp, off), c64(32)])
+                for p in range(n_panels):
+                    builder.call(tload, [t8(b_tiles[p]), _gep(builder, btp[p], off), c64(64)])
+                for p in range(n_panels):
+                    builder.call(dpb, [t8(c_tiles[p][0]), t8(2), t8(b_tiles[p])])
+                    builder.call(dpb, [t8(c_tiles[p][1]), t8(3), t8(b_tiles[p])])
+                for p in range(n_panels):
+                    builder.call(tstore, [t8(c_tiles[p][0]), cbp[p], c64(64)])
+                    builder.call(tstore, [t8(c_tiles[p][1]), _gep(builder, cbp[p], c64(1024)),
+                                          c64(64)])
+                dxrow = builder.mul(b, c64(TILE))
+                for p in range(n_panels):
+                    for t in range(TILE):  # gacc[t] += float(128 C_h + C_l) * dx[t, b]
+                        ch = builder.load(_gep(builder, cvec[p], c64(t)), align=4)
+                        cl = builder.load(_gep(builder, cvec[p], c64(TILE + t)), align=4)
+                        d = builder.sitofp(builder.add(builder.shl(ch, seven), cl), _V16F32)
+                        f = builder.load(_gep(builder, a_dxt.data, builder.add(dxrow, c64(t))))
+                        builder.store(builder.call(fmuladd, [d, splat(builder, f, 16),
+                                                             builder.load(gaccs[p][t])]),
+                                      gaccs[p][t])
+            flush(builder.load(cur_g))
+            builder.call(release, [])
+            # y = acc - zero term (+ bias): _finish_rows' float sequence, 16 rows per vector
+            ystride = cgutils.unpack_tuple(builder, a_y.strides, 2)[0]
+            xstride = cgutils.unpack_tuple(builder, a_xg.strides, 2)[0]
+            nbias = cgutils.unpack_tuple(builder, a_bias.shape, 1)[0]
+            ybase = builder.bitcast(a_y.data, i8p)
+            xgbase = builder.bitcast(a_xg.data, i8p)
+            v16p = _V16F32.as_pointer()
+            fp = ir.FloatType().as_pointer()
+            for p in range(n_panels):
+                rp = builder.add(r0v, c64(p * TILE))
+                mask = builder.icmp_signed("<", ir.Constant(_V16I32, list(range(16))),
+                                           splat(builder, builder.trunc(
+                                               builder.sub(nrv, c64(p * TILE)), _I32), 16))
+                bvec = cgutils.alloca_once_value(builder, zero16)
+                with builder.if_then(builder.icmp_signed(">", nbias, c64(0))):
+                    bp = _gep(builder, builder.bitcast(a_bias.data, fp), rp)
+                    builder.store(_masked_load(builder, bp, _V16F32, mask), bvec)
+                with cgutils.for_range(builder, ntv) as tl:
+                    tok = builder.add(t0v, tl.index)
+                    xgrow = builder.bitcast(_gep(builder, xgbase, builder.mul(tok, xstride)), fp)
+                    v = builder.fsub(builder.load(_gep(builder, accv[p], tl.index), align=4),
+                                     _zero_term_rows(builder, sztv[p], xgrow, ngz))
+                    v = builder.select(builder.icmp_signed(">", nbias, c64(0)),
+                                       builder.fadd(v, builder.load(bvec)), v)
+                    rowp = _gep(builder, ybase, builder.mul(tok, ystride))
+                    rowp = _gep(builder, builder.bitcast(rowp, fp), rp)
+                    _masked_store(builder, v, builder.bitcast(rowp, v16p), mask)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return amx_panels
+
+
+#: One and two 16-row panels a call (:func:`_make_amx_panels`).
+amx_panel, amx_panel2 = _make_amx_panels(1), _make_amx_panels(2)
 
 
 #: Word (4 codes) of a block's packed 32-byte chunk half that holds activation positions
@@ -326,19 +360,25 @@ def _gemm_amx(y, x, wp32, sc, sz, bmap, bias, xq, dx, xg, ah, al, dxt, ng, ngz, 
                 al[tt, b, t, :] = 0
                 dxt[tt, b, t] = 0
     out = y.shape[1]
-    for pn in prange((out + TILE - 1) // TILE):
-        r0 = pn * TILE
-        nr = min(TILE, out - r0)
-        bt = np.empty((nb, 8, TILE), np.uint32)
-        sct = np.empty((ng, TILE), np.float32)
-        szt = np.empty((ngz, TILE), np.float32)
-        cbuf = np.empty((2, TILE, TILE), np.int32)
-        accs = np.empty((TILE, TILE), np.float32)
-        _pack_panel(bt, sct, szt, wp32, sc, sz, r0, nr, nb, ng, five)
+    for pn in prange((out + 2 * TILE - 1) // (2 * TILE)):  # two 16-row panels at a time
+        r0 = pn * 2 * TILE
+        nr = min(2 * TILE, out - r0)
+        bt = np.empty((2, nb, 8, TILE), np.uint32)
+        sct = np.empty((2, ng, TILE), np.float32)
+        szt = np.empty((2, ngz, TILE), np.float32)
+        cbuf = np.empty((2, 2, TILE, TILE), np.int32)
+        accs = np.empty((2, TILE, TILE), np.float32)
+        for p in range(2 if nr > TILE else 1):
+            _pack_panel(bt[p], sct[p], szt[p], wp32, sc, sz, r0 + p * TILE,
+                        min(TILE, nr - p * TILE), nb, ng, five)
         for tt in range(n_tt):
             t0 = tt * TILE
-            amx_panel(cfg, ah[tt], al[tt], bt, dxt[tt], sct, szt, xg, bias, bmap, y, t0,
-                      min(TILE, t_n - t0), r0, nr, cbuf, accs)
+            if nr > TILE:
+                amx_panel2(cfg, ah[tt], al[tt], bt, dxt[tt], sct, szt, xg, bias, bmap, y, t0,
+                           min(TILE, t_n - t0), r0, nr, cbuf, accs)
+            else:
+                amx_panel(cfg, ah[tt], al[tt], bt[:1], dxt[tt], sct[:1], szt[:1], xg, bias,
+                          bmap, y, t0, min(TILE, t_n - t0), r0, nr, cbuf[:1], accs[:1])
 
 
 _NO_BIAS = np.zeros(0, np.float32)
