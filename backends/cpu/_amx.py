@@ -34,7 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS5
+from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS4_TOKENS, BLOCKDOT_ROWS5, ROWS_TOKENS
 from ._simd import (_I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, _masked_store,
                     group_value, splat)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
@@ -429,10 +429,18 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, five):
     quantize_rows(xq, dx, xg, x, bmap, zmul)
     nblk = out // 4
     for i in prange(nblk + out - nblk * 4):  # 4 rows (then single rows) for every token:
-        for t in range(t_n):                 # the rows come from memory once, then L1
-            if i < nblk:
-                blockdot_rows(True, five, y[t], i * 4, wp, sc, xq[t], dx[t], bmap, nb)
-            else:
+        if i < nblk:                         # the rows come from memory once, then L1
+            t = 0
+            while t + ROWS_TOKENS <= t_n:  # token pairs: the codes unpacked once
+                if five:
+                    _ROWS4_5_TOK(y, i * 4, wp, sc, xq, dx, bmap, nb, t)
+                else:
+                    _ROWS4_TOK(y, i * 4, wp, sc, xq, dx, bmap, nb, t)
+                t += ROWS_TOKENS
+            for j in range(t, t_n):
+                blockdot_rows(True, five, y[j], i * 4, wp, sc, xq[j], dx[j], bmap, nb)
+        else:
+            for t in range(t_n):
                 blockdot_rows(False, five, y[t], nblk * 4 + (i - nblk), wp, sc, xq[t], dx[t],
                               bmap, nb)
     for t in prange(t_n):
@@ -440,6 +448,7 @@ def _gemm_rows(y, x, wp, sc, sz, bmap, bias, xq, dx, xg, zmul, five):
 
 
 _ROWS4, _ROWS1 = BLOCKDOT_ROWS[4], BLOCKDOT_ROWS[1]
+_ROWS4_TOK, _ROWS4_5_TOK = BLOCKDOT_ROWS4_TOKENS[False], BLOCKDOT_ROWS4_TOKENS[True]
 _ROWS4_5, _ROWS1_5 = BLOCKDOT_ROWS5[4], BLOCKDOT_ROWS5[1]
 
 
@@ -459,7 +468,8 @@ def blockdot_rows(four, five, y, r0, wp, sc, xq, dx, bmap, nb):
 
 def gemm_rows(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
     """As :func:`gemm_amx` by the block-dot row kernels (4-, 5- or 8-bit weights), every
-    token over each 4 rows in turn: for fewer tokens than the tiles take
+    token over each 4 rows in turn (two tokens a call on the codes unpacked once,
+    :data:`._blockdot.BLOCKDOT_ROWS4_TOKENS`): for fewer tokens than the tiles take
     (:func:`.qgemm.blockdot_path`), and where the OS refused the tile state. The same
     floats."""
     t = x.shape[0]

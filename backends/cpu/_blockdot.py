@@ -55,135 +55,164 @@ def block_dots4(builder, vs):
                        builder.shuffle_vector(h, h, _idx([4, 5, 6, 7])))
 
 
-def _make_rows_kernel(n_rows: int, five: bool = False):
+def _make_rows_kernel(n_rows: int, five: bool = False, n_tok: int = 0):
     """Intrinsic ``k(y, r0, wp, sc, xq, dx, bmap, nb)`` for ``n_rows`` (1..4) rows of a
     4-bit (``wp`` uint8, nibbles), 5-bit (``five``: nibbles and fifth bits, 40-byte
     chunks) or 8-bit (``wp`` int8, codes in column order) weight, arguments as
-    :func:`._simd._make_rows_kernel`; writes ``y[r] = acc`` of the module docstring."""
+    :func:`._simd._make_rows_kernel`; writes ``y[r] = acc`` of the module docstring.
+
+    With ``n_tok`` > 0: ``k(y, r0, wp, sc, xq, dx, bmap, nb, t0)`` over the ``n_tok`` token
+    rows from ``t0`` of ``y`` float32 [T, out], ``xq`` int16 [T, nb * 32], ``dx`` float32
+    [T, nb]: each chunk's codes are unpacked once for all of them, and every token runs
+    the single-token steps in their order (the same floats)."""
     bits = 5 if five else 4
+    n_t = max(n_tok, 1)
+
+    def codegen(context, builder, signature, args):
+        ty_sc = signature.args[3]
+        eight = signature.args[2].dtype == types.int8
+        a_y, a_wp, a_sc, a_xq, a_dx, a_bm = (
+            context.make_array(signature.args[i])(context, builder, args[i])
+            for i in (0, 2, 3, 4, 5, 6))
+        i64 = ir.IntType(64)
+        c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+        r0v, nbv = args[1], args[7]
+        wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
+        srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
+        mod = builder.module
+        pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        fmuladd = _declare(mod, "llvm.fmuladd.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
+        prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
+                            [_I8.as_pointer(), _I32, _I32, _I32])
+        wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
+
+        def token_rows(a, elem):  # token j's row of a (2-D: from t0; 1-D: the array)
+            if not n_tok:
+                return [builder.bitcast(a.data, elem.as_pointer())]
+            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+            base = builder.bitcast(a.data, _I8.as_pointer())
+            return [builder.bitcast(_gep(builder, base, builder.mul(
+                builder.add(args[8], c64(j)), stride)), elem.as_pointer()) for j in range(n_t)]
+
+        xbases, dbases, ybases = (token_rows(a_xq, _I16), token_rows(a_dx, ir.FloatType()),
+                                  token_rows(a_y, ir.FloatType()))
+        ahead = builder.mul(wrow, c64(n_rows * PREFETCH_BLOCKS))
+        zero4 = ir.Constant(_V4F32, [0.0] * 4)
+        factored = ty_sc.dtype == types.uint8
+        rows = [builder.add(r0v, c64(r)) for r in range(n_rows)]
+        wrows = [_gep(builder, wbase, builder.mul(r, wrow)) for r in rows]
+        srows = [_gep(builder, a_sc.data, builder.mul(r, srow)) for r in rows]
+        accs = [cgutils.alloca_once_value(builder, zero4) for _ in range(n_t)]
+        gaccs = [cgutils.alloca_once_value(builder, zero4) for _ in range(n_t)]
+        cur_g = cgutils.alloca_once(builder, i64)
+        builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
+
+        def flush(g):  # acc += gacc * sc[rows, g]; gacc = 0 (every token)
+            s = zero4
+            for r in range(n_rows):
+                s = builder.insert_element(s, group_scale(builder, srows[r], g, nbv, factored),
+                                           ir.Constant(_I32, r))
+            for j in range(n_t):
+                builder.store(builder.call(fmuladd, [builder.load(gaccs[j]), s,
+                                                     builder.load(accs[j])]), accs[j])
+                builder.store(zero4, gaccs[j])
+
+        def act(j, bidx):  # token j's activations and scale of block bidx
+            xoff = builder.mul(bidx, c64(32))
+            xa = builder.load(builder.bitcast(_gep(builder, xbases[j], xoff),
+                                              _V16I16.as_pointer()), align=2)
+            xb = builder.load(builder.bitcast(_gep(builder, xbases[j], builder.add(
+                xoff, c64(16))), _V16I16.as_pointer()), align=2)
+            return xa, xb, _splat4(builder, builder.load(_gep(builder, dbases[j], bidx)))
+
+        def accumulate(j, p32s, x):  # gacc += float(D) * dx_b, D the rows' block dots
+            d = builder.sitofp(block_dots4(builder, p32s), _V4F32)
+            builder.store(builder.call(fmuladd, [d, x[2], builder.load(gaccs[j])]), gaccs[j])
+
+        def group_of(bidx):
+            return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
+
+        def enter_group(g):  # flush when block group g starts a new group
+            with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
+                                 likely=False):
+                flush(builder.load(cur_g))
+                builder.store(g, cur_g)
+
+        def row_chunk(r, off):  # the row's bytes at off, the next ones prefetched
+            wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
+                                              _V32I8.as_pointer()), align=1)
+            builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
+                                    ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                    ir.Constant(_I32, 1)])
+            return wv
+
+        def dot(a, b, x):  # <8 x i32> lane sums of codes (a, b) against activations x
+            return builder.add(builder.call(pmaddwd, [a, x[0]]), builder.call(pmaddwd, [b, x[1]]))
+
+        def single_blocks():  # 8-bit: a block per step, codes sign-widened to ACT_ORDER
+            zero32 = ir.Constant(_V32I8, [0] * 32)
+            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
+            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
+            with cgutils.for_range(builder, nbv) as loop:
+                b = loop.index
+                off = builder.mul(b, c64(32))
+                xs = [act(j, b) for j in range(n_t)]
+                enter_group(group_of(b))
+                ps = [[] for _ in range(n_t)]
+                for r in range(n_rows):
+                    wv = row_chunk(r, off)
+                    sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
+                    la, lb = (builder.bitcast(builder.shuffle_vector(wv, sign, idx), _V16I16)
+                              for idx in (lo_idx, hi_idx))
+                    for j in range(n_t):
+                        ps[j].append(dot(la, lb, xs[j]))
+                for j in range(n_t):
+                    accumulate(j, ps[j], xs[j])
+
+        def chunk_blocks():  # 4-/5-bit: the two blocks of a 64-column chunk per step
+            with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
+                c = loop.index
+                off = builder.mul(c, c64(CHUNK_BYTES[bits]))
+                b0 = builder.mul(c, c64(2))
+                b1 = builder.add(b0, c64(1))
+                x0s = [act(j, b0) for j in range(n_t)]
+                x1s = [act(j, b1) for j in range(n_t)]
+                g0, g1 = group_of(b0), group_of(b1)
+                enter_group(g0)
+                lo, hi = [[] for _ in range(n_t)], [[] for _ in range(n_t)]
+                for r in range(n_rows):
+                    wv = row_chunk(r, off)
+                    la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
+                    for j in range(n_t):
+                        lo[j].append(dot(la, lb, x0s[j]))
+                        hi[j].append(dot(ha, hb, x1s[j]))
+                for j in range(n_t):
+                    accumulate(j, lo[j], x0s[j])
+                with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
+                    flush(g0)
+                for j in range(n_t):
+                    accumulate(j, hi[j], x1s[j])
+                builder.store(g1, cur_g)
+
+        (single_blocks if eight else chunk_blocks)()
+        flush(builder.load(cur_g))
+        for j in range(n_t):
+            v = builder.load(accs[j])
+            for r in range(n_rows):
+                builder.store(builder.extract_element(v, ir.Constant(_I32, r)),
+                              _gep(builder, ybases[j], rows[r]))
+        return context.get_dummy_value()
+
+    if n_tok:
+        @intrinsic
+        def kernel_tokens(typingctx, y, r0, wp, sc, xq, dx, bmap, nb, t0):
+            return types.void(y, r0, wp, sc, xq, dx, bmap, nb, t0), codegen
+
+        return kernel_tokens
 
     @intrinsic
     def kernel(typingctx, y, r0, wp, sc, xq, dx, bmap, nb):
-        sig = types.void(y, r0, wp, sc, xq, dx, bmap, nb)
-
-        def codegen(context, builder, signature, args):
-            ty_sc = signature.args[3]
-            eight = signature.args[2].dtype == types.int8
-            a_y, a_wp, a_sc, a_xq, a_dx, a_bm = (
-                context.make_array(signature.args[i])(context, builder, args[i])
-                for i in (0, 2, 3, 4, 5, 6))
-            i64 = ir.IntType(64)
-            c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
-            r0v, nbv = args[1], args[7]
-            wrow = cgutils.unpack_tuple(builder, a_wp.strides, 2)[0]
-            srow = cgutils.unpack_tuple(builder, a_sc.shape, 2)[1]
-            mod = builder.module
-            pmaddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
-            fmuladd = _declare(mod, "llvm.fmuladd.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
-            prefetch = _declare(mod, "llvm.prefetch.p0i8", ir.VoidType(),
-                                [_I8.as_pointer(), _I32, _I32, _I32])
-            wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
-            xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
-            ahead = builder.mul(wrow, c64(n_rows * PREFETCH_BLOCKS))
-            zero4 = ir.Constant(_V4F32, [0.0] * 4)
-            factored = ty_sc.dtype == types.uint8
-            rows = [builder.add(r0v, c64(r)) for r in range(n_rows)]
-            wrows = [_gep(builder, wbase, builder.mul(r, wrow)) for r in rows]
-            srows = [_gep(builder, a_sc.data, builder.mul(r, srow)) for r in rows]
-            acc = cgutils.alloca_once_value(builder, zero4)
-            gacc = cgutils.alloca_once_value(builder, zero4)
-            cur_g = cgutils.alloca_once(builder, i64)
-            builder.store(builder.sext(builder.load(a_bm.data), i64), cur_g)
-
-            def flush(g):  # acc += gacc * sc[rows, g]; gacc = 0
-                s = zero4
-                for r in range(n_rows):
-                    s = builder.insert_element(s, group_scale(builder, srows[r], g, nbv, factored),
-                                               ir.Constant(_I32, r))
-                builder.store(builder.call(fmuladd, [builder.load(gacc), s, builder.load(acc)]),
-                              acc)
-                builder.store(zero4, gacc)
-
-            def act(bidx):
-                xoff = builder.mul(bidx, c64(32))
-                xa = builder.load(builder.bitcast(_gep(builder, xbase, xoff),
-                                                  _V16I16.as_pointer()), align=2)
-                xb = builder.load(builder.bitcast(_gep(builder, xbase, builder.add(xoff, c64(16))),
-                                                  _V16I16.as_pointer()), align=2)
-                return xa, xb, _splat4(builder, builder.load(_gep(builder, a_dx.data, bidx)))
-
-            def accumulate(p32s, x):  # gacc += float(D) * dx_b, D the rows' block dots
-                d = builder.sitofp(block_dots4(builder, p32s), _V4F32)
-                builder.store(builder.call(fmuladd, [d, x[2], builder.load(gacc)]), gacc)
-
-            def group_of(bidx):
-                return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
-
-            def enter_group(g):  # flush when block group g starts a new group
-                with builder.if_then(builder.icmp_signed("!=", g, builder.load(cur_g)),
-                                     likely=False):
-                    flush(builder.load(cur_g))
-                    builder.store(g, cur_g)
-
-            def row_chunk(r, off):  # the row's bytes at off, the next ones prefetched
-                wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
-                                                  _V32I8.as_pointer()), align=1)
-                builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
-                                        ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                        ir.Constant(_I32, 1)])
-                return wv
-
-            def single_blocks():  # 8-bit: a block per step, codes sign-widened to ACT_ORDER
-                zero32 = ir.Constant(_V32I8, [0] * 32)
-                lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-                hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
-                with cgutils.for_range(builder, nbv) as loop:
-                    b = loop.index
-                    off = builder.mul(b, c64(32))
-                    x = act(b)
-                    enter_group(group_of(b))
-                    ps = []
-                    for r in range(n_rows):
-                        wv = row_chunk(r, off)
-                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
-                        la, lb = (builder.bitcast(builder.shuffle_vector(wv, sign, idx), _V16I16)
-                                  for idx in (lo_idx, hi_idx))
-                        ps.append(builder.add(builder.call(pmaddwd, [la, x[0]]),
-                                              builder.call(pmaddwd, [lb, x[1]])))
-                    accumulate(ps, x)
-
-            def chunk_blocks():  # 4-/5-bit: the two blocks of a 64-column chunk per step
-                with cgutils.for_range(builder, builder.udiv(nbv, c64(2))) as loop:
-                    c = loop.index
-                    off = builder.mul(c, c64(CHUNK_BYTES[bits]))
-                    b0 = builder.mul(c, c64(2))
-                    b1 = builder.add(b0, c64(1))
-                    x0, x1 = act(b0), act(b1)
-                    g0, g1 = group_of(b0), group_of(b1)
-                    enter_group(g0)
-                    lo, hi = [], []
-                    for r in range(n_rows):
-                        wv = row_chunk(r, off)
-                        la, lb, ha, hb = chunk_codes(builder, bits, wv, wrows[r], off)
-                        lo.append(builder.add(builder.call(pmaddwd, [la, x0[0]]),
-                                              builder.call(pmaddwd, [lb, x0[1]])))
-                        hi.append(builder.add(builder.call(pmaddwd, [ha, x1[0]]),
-                                              builder.call(pmaddwd, [hb, x1[1]])))
-                    accumulate(lo, x0)
-                    with builder.if_then(builder.icmp_signed("!=", g1, g0), likely=False):
-                        flush(g0)
-                    accumulate(hi, x1)
-                    builder.store(g1, cur_g)
-
-            (single_blocks if eight else chunk_blocks)()
-            flush(builder.load(cur_g))
-            v = builder.load(acc)
-            for r in range(n_rows):
-                builder.store(builder.extract_element(v, ir.Constant(_I32, r)),
-                              _gep(builder, a_y.data, rows[r]))
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(y, r0, wp, sc, xq, dx, bmap, nb), codegen
 
     return kernel
 
@@ -192,3 +221,7 @@ def _make_rows_kernel(n_rows: int, five: bool = False):
 #: 8-bit by ``wp``'s dtype); ``BLOCKDOT_ROWS5`` the 5-bit ones.
 BLOCKDOT_ROWS = {n: _make_rows_kernel(n) for n in (4, 1)}
 BLOCKDOT_ROWS5 = {n: _make_rows_kernel(n, five=True) for n in (4, 1)}
+#: Token rows per call of the multi-token row kernels (4 rows x 2 tokens: the codes
+#: unpacked once for both; a GEMM's 2 or 3 tokens, where the few-token tiles do not pay).
+ROWS_TOKENS = 2
+BLOCKDOT_ROWS4_TOKENS = {five: _make_rows_kernel(4, five, ROWS_TOKENS) for five in (False, True)}
