@@ -8,7 +8,8 @@ bit-identical to its decode GEMV. The exact integer block dots come from the til
   ``q`` per 32-column block) and split as ``q = 128 h + l`` with ``h`` in [-127, 127] and
   ``l`` in [-64, 63], both int8, in tiles of 16 tokens x 32 columns (zero rows past T);
 * a panel of 16 weight rows is unpacked once per call into int8 B tiles (8 rows of
-  16 x 4 codes, the VNNI order of ``tdpbssd``) and its scales into ``[ng, 16]``;
+  16 x 4 codes, the VNNI order of ``tdpbssd``) and its scales into ``[ng, 16]``; a
+  token tile runs over two panels at a time (:func:`_make_amx_panels`);
 * per block two ``tdpbssd`` give ``C_h`` and ``C_l``, and ``D = 128 C_h + C_l`` is the
   exact dot of every (token, row) of the tile; then the float steps of :mod:`._blockdot`
   on 16 rows at a time, and the zero-point term and bias in :func:`.gemv._finish_rows`'
