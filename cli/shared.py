@@ -114,8 +114,8 @@ def _warm_up(model, quiet: bool) -> None:
     if quiet:
         model.warm_up()
         return
-    head = ("compiling CPU kernels (first run only, 15-60 s; cached for later runs):" if cold
-            else "loading kernels:")
+    head = ("compiling CPU kernels (first run only, about 30-90 s on 2 cores; cached for "
+            "later runs):" if cold else "loading kernels:")
     sys.stderr.write(head)
     sys.stderr.flush()
     model.warm_up(progress=lambda stage: (sys.stderr.write(f" {stage}..."), sys.stderr.flush()))
@@ -127,8 +127,8 @@ def _compile_notice(model) -> None:
     """Say so before the first generation when the CPU kernels are not compiled yet."""
     if getattr(model, "kernels_cold", None):
         model.kernels_cold = False  # compiled by the generation about to run
-        _say("compiling CPU kernels for the first answer (first run only, 15-60 s; "
-             "cached for later runs)...")
+        _say("compiling CPU kernels for the first answer (first run only, about 30-90 s on 2 "
+             "cores; cached for later runs)...")
 
 
 def _print_stats(stats, stream=sys.stderr, interrupted: bool = False) -> None:

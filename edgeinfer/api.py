@@ -151,7 +151,7 @@ class Model:
                                  first_cache=self.engine.cache)
             self.engine = self.pool.engine(0)  # slot 0: its forwards go through the scheduler
         #: True when the CPU backend's Numba kernels are not compiled yet (a fresh
-        #: install): the first generation then compiles them (15-45 s on 2 cores, once;
+        #: install): the first generation then compiles them (30-90 s on 2 cores, once;
         #: cached on disk after). False when warm, None when unknown or not the CPU.
         self.kernels_cold = None
         if self.backend.name == "cpu":
@@ -159,7 +159,7 @@ class Model:
             self.kernels_cold = cpu_kernel_cache_cold()
             if self.kernels_cold:
                 log.info("compiling CPU kernels on the first call (first run only, "
-                         "15-45 s; cached on disk for later runs)")
+                         "about 30-90 s on 2 cores; cached on disk for later runs)")
 
     @staticmethod
     def _checked_opencl(backend, source: ModelSource, kv_dtype: str, threads: int | None):

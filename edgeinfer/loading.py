@@ -92,7 +92,7 @@ def load(path_or_name: str | Path, *, converter=None,
         notify: ``callable(str)`` for first-use status lines (they also go to the
             ``edgeinfer`` logger at INFO), e.g. to show them in an app's window.
         warm: run :meth:`Model.warm_up` before returning, so the first answer does not
-            stall (on a fresh install: compiles the CPU kernels, 15-60 s once; else about
+            stall (on a fresh install: compiles the CPU kernels, about 30-90 s once; else about
             a second); ``notify`` is told when it starts and each of its stages.
         **kw: go to :class:`Model` (backend, n_ctx, kv_dtype, threads, device, max_memory).
 
@@ -109,6 +109,7 @@ def load(path_or_name: str | Path, *, converter=None,
     if warm:
         say = notify or (lambda msg: None)
         if model.kernels_cold:
-            say("compiling the CPU kernels (first run only, 15-60 s; cached for later runs)")
+            say("compiling the CPU kernels (first run only, about 30-90 s on 2 cores; cached "
+                "for later runs)")
         model.warm_up(progress=lambda stage: say(f"warming up: {stage}"))
     return model

@@ -212,7 +212,7 @@ def cpu_kernel_cache_cold() -> bool | None:
 
     Numba keeps compiled kernels on disk (``__pycache__`` beside the sources, or
     ``$NUMBA_CACHE_DIR``); on a fresh install the first call compiles them, which takes
-    15-45 s on 2 cores. This reads each ``@njit(cache=True)`` kernel's index file (a small
+    30-90 s on 2 cores. This reads each ``@njit(cache=True)`` kernel's index file (a small
     pickle, checked against the source's time stamp exactly as Numba will) and reports
     cold when no kernel has cached machine code: a fresh install or an upgrade. Each
     model uses only some kernels (a dense float32 model: 6 of 28), so once any model ran,
