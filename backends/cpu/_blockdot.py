@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from ._simd import (_FEATURES, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, _V8I32,
                     _V16I16, _V32I8, CHUNK_BYTES, PREFETCH_BLOCKS, _declare, _gep, _splat4,
-                    chunk_codes, group_scale)
+                    chunk_codes, group_scale, token_rows)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
 #: 4-, 5- and 8-bit weights use these numerics in decode and prefill.
@@ -86,16 +86,10 @@ def _make_rows_kernel(n_rows: int, five: bool = False, n_tok: int = 0):
                             [_I8.as_pointer(), _I32, _I32, _I32])
         wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
 
-        def token_rows(a, elem):  # token j's row of a (2-D: from t0; 1-D: the array)
-            if not n_tok:
-                return [builder.bitcast(a.data, elem.as_pointer())]
-            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
-            base = builder.bitcast(a.data, _I8.as_pointer())
-            return [builder.bitcast(_gep(builder, base, builder.mul(
-                builder.add(args[8], c64(j)), stride)), elem.as_pointer()) for j in range(n_t)]
-
-        xbases, dbases, ybases = (token_rows(a_xq, _I16), token_rows(a_dx, ir.FloatType()),
-                                  token_rows(a_y, ir.FloatType()))
+        t0 = args[8] if n_tok else None
+        xbases, dbases, ybases = (token_rows(builder, a_xq, _I16, t0, n_tok),
+                                  token_rows(builder, a_dx, ir.FloatType(), t0, n_tok),
+                                  token_rows(builder, a_y, ir.FloatType(), t0, n_tok))
         ahead = builder.mul(wrow, c64(n_rows * PREFETCH_BLOCKS))
         zero4 = ir.Constant(_V4F32, [0.0] * 4)
         factored = ty_sc.dtype == types.uint8

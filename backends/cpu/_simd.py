@@ -128,6 +128,19 @@ def _gep(builder, ptr, idx):
     return builder.gep(ptr, [idx])
 
 
+def token_rows(builder, a, elem, t0, n_tok):
+    """Pointers (``elem``*) to the rows ``t0 .. t0 + n_tok - 1`` of the 2-D array ``a``
+    (a multi-token kernel's activations, scales or outputs); ``n_tok`` 0: one pointer to
+    the 1-D array ``a`` itself (the single-token kernels)."""
+    if not n_tok:
+        return [builder.bitcast(a.data, elem.as_pointer())]
+    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    base = builder.bitcast(a.data, _I8.as_pointer())
+    return [builder.bitcast(_gep(builder, base, builder.mul(
+        builder.add(t0, ir.Constant(t0.type, j)), stride)), elem.as_pointer())
+        for j in range(n_tok)]
+
+
 def group_scale(builder, row, g, nbv, factored):
     """The float32 scale of group ``g`` (i64) of a scale row: ``row[g]`` (``row`` float*),
     its fp16 value widened (``row`` i16*: binary16 bits, exact), or from a factored row

@@ -28,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._simd import (HAVE_AVX2, STRICT, _UNPACK_HI, _UNPACK_LO, _declare, _gep, _hsum8,
-                    _splat_f32)
+                    _splat_f32, token_rows)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -210,17 +210,10 @@ def _make_lane6_rows_kernel(n_rows: int, n_tok: int = 0):
                                        ir.Constant(i64, 3)), ir.Constant(i64, -4))
         n_t = max(n_tok, 1)
 
-        def token_rows(a, elem):  # token j's row of a (2-D: from t0; 1-D: the array)
-            if not n_tok:
-                return [builder.bitcast(a.data, elem.as_pointer())]
-            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
-            base = builder.bitcast(a.data, _I8.as_pointer())
-            return [builder.bitcast(_gep(builder, base, builder.mul(
-                builder.add(args[7], ir.Constant(i64, j)), stride)), elem.as_pointer())
-                for j in range(n_t)]
-
-        xbases, dbases, ybases = token_rows(a_xq, _I16), token_rows(a_dx, _F32), \
-            token_rows(a_y, _F32)
+        t0 = args[7] if n_tok else None
+        xbases, dbases, ybases = (token_rows(builder, a_xq, _I16, t0, n_tok),
+                                  token_rows(builder, a_dx, _F32, t0, n_tok),
+                                  token_rows(builder, a_y, _F32, t0, n_tok))
         zero8 = ir.Constant(_V8F32, [0.0] * 8)
         accs, wrows, srows = [], [], []
         for r in range(n_rows):
