@@ -214,28 +214,39 @@ def test_activation_rounding_bound_and_row_identity(t):
     assert nerr(y, ref) > 0  # control: the activation rounding is there
 
 
-@pytest.mark.skipif(not _simd_k.HAVE_AVX2, reason="the multi-token kernel is AVX2 code")
 @pytest.mark.parametrize("rows,t", [(45, 4), (45, 7), (6, 33), (37, 40)])
-def test_multi_token_gemm_equals_the_token_by_token_one(rows, t):
+def test_multi_token_gemm_equals_the_decode_gemv_row_by_row(rows, t):
     """The prefill GEMM that builds each block's 6-bit codes once for 4 tokens
-    (``qlane._gemm_q6l_tokens``, chosen from 4 tokens) gives the token-by-token GEMM's
-    bits: full 4-token steps, token tails, a row count with no 4-row blocks, bias."""
+    (``qlane._gemm_q6l`` with ``_simd_k.q6l_row_tokens``; the portable loops where the host
+    lacks AVX2) gives each token its decode GEMV's bits: full 4-token steps, token tails,
+    a row count with no full 4-row group, bias."""
     rng = np.random.default_rng(rows * t)
     w = relayout(q6k_blocks(rng, rows, 3), "Q6_K", "t", "x.gguf")
     h = CPU.upload_weight(w)
     x = rng.standard_normal((t, w.in_features)).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
-    ys = []
-    for gemm in (qlane._gemm_q6l, qlane._gemm_q6l_tokens):
-        y = np.full((t, rows), np.nan, np.float32)
-        xq = np.empty((t, h.n_blocks * 32), np.int16)
-        dx = np.empty((t, h.n_blocks), np.float32)
-        xg = np.empty((t, h.n_groups), np.float32)
-        gemm(y, x, h.wp, h.sc, h.sz, h.bmap, bias, xq, dx, xg)
-        ys.append(y)
-    assert np.isfinite(ys[1]).all() and bits_equal(ys[0], ys[1])
-    assert bits_equal(CPU.linear(x, h, bias), ys[1])
-    assert qlane.LANE6_TOKENS == 4 and qlane.q6l_row_tokens is not None
+    y = np.full((t, rows), np.nan, np.float32)
+    qlane._gemm_q6l(y, x, h.wp, h.sc, h.sz, h.bmap, bias,
+                    np.empty((t, h.n_blocks * 32), np.int16), np.empty((t, h.n_blocks), np.float32),
+                    np.empty((t, h.n_groups), np.float32))
+    want = np.stack([CPU.linear(x[i:i + 1], h, bias)[0] for i in range(t)])
+    assert np.isfinite(y).all() and bits_equal(y, want)
+    assert bits_equal(CPU.linear(x, h, bias), want)
+    assert qlane.LANE6_TOKENS == 4
+    # the portable multi-token loops (hosts without AVX2), on the last 4 tokens: each
+    # token its 1-row loop's bits
+    xq = np.empty((t, h.n_blocks * 32), np.int16)
+    dx = np.empty((t, h.n_blocks), np.float32)
+    xg = np.empty((t, h.n_groups), np.float32)
+    for i in range(t):
+        quantize_act(xq[i], dx[i], xg[i], x[i], h.bmap)
+    yp, y1 = np.full((t, rows), np.nan, np.float32), np.full((t, rows), np.nan, np.float32)
+    for r in range(rows):
+        _simd_k._p_lane6_row_tokens(yp, r, h.wp, h.sc, xq, dx, h.n_blocks, t - 4)
+        for i in range(t - 4, t):
+            _simd_k.PORTABLE_LANE6_ROWS[1](y1[i], r, h.wp, h.sc, xq[i], dx[i], h.n_blocks)
+    assert np.isfinite(yp[t - 4:]).all() and bits_equal(yp, y1)
+    assert nerr(yp[t - 4:], want[t - 4:] - bias) < 1e-6
 
 
 def test_padded_row_embedding_and_exact_decode():

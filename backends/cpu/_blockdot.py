@@ -26,9 +26,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_FEATURES, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, _V8I32,
-                    _V16I16, _V32I8, CHUNK_BYTES, PREFETCH_BLOCKS, _declare, _gep, _splat4,
-                    chunk_codes, group_scale, token_rows)
+from ._simd import (_FEATURES, _I8, _I16, _I32, _V4F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                    PREFETCH_BLOCKS, _declare, _gep, _splat4, chunk_codes, group_scale,
+                    token_rows, widen_signed)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
 #: 4-, 5- and 8-bit weights use these numerics in decode and prefill.
@@ -144,9 +144,6 @@ def _make_rows_kernel(n_rows: int, five: bool = False, n_tok: int = 0):
             return builder.add(builder.call(pmaddwd, [a, x[0]]), builder.call(pmaddwd, [b, x[1]]))
 
         def single_blocks():  # 8-bit: a block per step, codes sign-widened to ACT_ORDER
-            zero32 = ir.Constant(_V32I8, [0] * 32)
-            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
             with cgutils.for_range(builder, nbv) as loop:
                 b = loop.index
                 off = builder.mul(b, c64(32))
@@ -155,9 +152,7 @@ def _make_rows_kernel(n_rows: int, five: bool = False, n_tok: int = 0):
                 ps = [[] for _ in range(n_t)]
                 for r in range(n_rows):
                     wv = row_chunk(r, off)
-                    sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
-                    la, lb = (builder.bitcast(builder.shuffle_vector(wv, sign, idx), _V16I16)
-                              for idx in (lo_idx, hi_idx))
+                    la, lb = widen_signed(builder, wv)
                     for j in range(n_t):
                         ps[j].append(dot(la, lb, xs[j]))
                 for j in range(n_t):

@@ -128,17 +128,31 @@ def _gep(builder, ptr, idx):
     return builder.gep(ptr, [idx])
 
 
+def row_ptr(builder, arr, row, elem):
+    """Pointer to element 0 of row ``row`` (i64) of a 2-D array (any row stride), as
+    ``elem*``."""
+    stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+    base = builder.bitcast(arr.data, _I8.as_pointer())
+    return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
+
+
 def token_rows(builder, a, elem, t0, n_tok):
     """Pointers (``elem``*) to the rows ``t0 .. t0 + n_tok - 1`` of the 2-D array ``a``
     (a multi-token kernel's activations, scales or outputs); ``n_tok`` 0: one pointer to
     the 1-D array ``a`` itself (the single-token kernels)."""
     if not n_tok:
         return [builder.bitcast(a.data, elem.as_pointer())]
-    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
-    base = builder.bitcast(a.data, _I8.as_pointer())
-    return [builder.bitcast(_gep(builder, base, builder.mul(
-        builder.add(t0, ir.Constant(t0.type, j)), stride)), elem.as_pointer())
-        for j in range(n_tok)]
+    return [row_ptr(builder, a, builder.add(t0, ir.Constant(t0.type, j)), elem)
+            for j in range(n_tok)]
+
+
+def widen_signed(builder, v):
+    """<32 x i8> signed codes in column order -> two <16 x i16> in :data:`ACT_ORDER`
+    lanes (the in-lane byte unpacks against their sign bytes)."""
+    sign = builder.sext(builder.icmp_signed("<", v, ir.Constant(_V32I8, [0] * 32)), _V32I8)
+    return tuple(builder.bitcast(builder.shuffle_vector(
+        v, sign, ir.Constant(ir.VectorType(_I32, 32), idx)), _V16I16)
+        for idx in (_UNPACK_LO, _UNPACK_HI))
 
 
 def group_scale(builder, row, g, nbv, factored):
@@ -395,9 +409,6 @@ def _make_rows_kernel(n_rows: int, bits: int):
             xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
             ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
-            zero32 = ir.Constant(_V32I8, [0] * 32)
-            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
             accs, gaccs, wrows, srows = [], [], [], []
             for r in range(n_rows):
                 acc = cgutils.alloca_once(builder, _V8F32)
@@ -449,9 +460,6 @@ def _make_rows_kernel(n_rows: int, bits: int):
                                         ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                         ir.Constant(_I32, 1)])
 
-            def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
-                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
-
             def group_of(bidx):
                 return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
 
@@ -486,8 +494,7 @@ def _make_rows_kernel(n_rows: int, bits: int):
                         wv = builder.load(builder.bitcast(_gep(builder, wrows[r], off),
                                                           _V32I8.as_pointer()), align=1)
                         fetch_next(r, off)
-                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
-                        dot_into(r, widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), x)
+                        dot_into(r, *widen_signed(builder, wv), x)
             g = builder.load(cur_g)
             for r in range(n_rows):
                 flush_row(r, g)

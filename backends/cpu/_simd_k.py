@@ -27,8 +27,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (HAVE_AVX2, STRICT, _UNPACK_HI, _UNPACK_LO, _declare, _gep, _hsum8,
-                    _splat_f32, token_rows)
+from ._simd import (HAVE_AVX2, STRICT, _declare, _gep, _hsum8, _splat_f32, token_rows,
+                    widen_signed)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -71,9 +71,6 @@ def _make_lane_rows_kernel(n_rows: int):
             xbase = builder.bitcast(a_xq.data, _I16.as_pointer())
             ahead = builder.mul(wrow, ir.Constant(i64, n_rows * PREFETCH_BLOCKS))
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
-            zero32 = ir.Constant(_V32I8, [0] * 32)
-            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
             halves = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
             accs, wrows, srows = [], [], []
             for r in range(n_rows):
@@ -83,9 +80,6 @@ def _make_lane_rows_kernel(n_rows: int):
                 row = builder.add(r0v, ir.Constant(i64, r))
                 wrows.append(_gep(builder, wbase, builder.mul(row, wrow)))
                 srows.append(_gep(builder, a_sc.data, builder.mul(row, srow)))
-
-            def widen(v, idx, other):  # in-lane byte unpack of (v, other) -> <16 x i16>
-                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
 
             with cgutils.for_range(builder, nbv) as loop:
                 b = loop.index
@@ -102,10 +96,9 @@ def _make_lane_rows_kernel(n_rows: int):
                     builder.call(prefetch, [_gep(builder, wrows[r], builder.add(off, ahead)),
                                             ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                             ir.Constant(_I32, 1)])
-                    sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
-                    p32 = builder.add(
-                        builder.call(pmaddwd, [widen(wv, lo_idx, sign), xa]),
-                        builder.call(pmaddwd, [widen(wv, hi_idx, sign), xb]))
+                    la, lb = widen_signed(builder, wv)
+                    p32 = builder.add(builder.call(pmaddwd, [la, xa]),
+                                      builder.call(pmaddwd, [lb, xb]))
                     s2 = builder.load(builder.bitcast(_gep(builder, srows[r], soff),
                                                       _V2F32.as_pointer()), align=4)
                     s8 = builder.shuffle_vector(s2, ir.Constant(_V2F32, ir.Undefined), halves)
@@ -147,11 +140,7 @@ def _lane6_codes(builder, wv, row, off, h):
     nib = (builder.and_(wv, ir.Constant(_V32I8, [15] * 32)) if h == 0 else
            builder.lshr(wv, ir.Constant(_V32I8, [4] * 32)))
     u = builder.or_(nib, _high_crumbs(builder, row, builder.add(off, ir.Constant(i64, 32 + 8 * h))))
-    s8 = builder.sub(u, ir.Constant(_V32I8, [32] * 32))
-    sign = builder.sext(builder.icmp_signed("<", s8, ir.Constant(_V32I8, [0] * 32)), _V32I8)
-    return tuple(builder.bitcast(builder.shuffle_vector(
-        s8, sign, ir.Constant(ir.VectorType(_I32, 32), idx)), _V16I16)
-        for idx in (_UNPACK_LO, _UNPACK_HI))
+    return widen_signed(builder, builder.sub(u, ir.Constant(_V32I8, [32] * 32)))
 
 
 def _lane6_scales(builder, srow, b, dat):
@@ -364,6 +353,15 @@ q6l_rows4, q6l_rows1 = _ROWS6[4], _ROWS6[1]
 #: Token rows per call of the multi-token 6-bit kernel (:func:`_make_lane6_rows_kernel`
 #: with ``n_tok``; 1 row: its 4 accumulators stay in registers on AVX2's 16).
 LANE6_TOKENS = 4
-#: ``k(y, r0, wp, sc, xq, dx, nb, t0)``: 1 row x :data:`LANE6_TOKENS` tokens (AVX2 hosts;
-#: None elsewhere, where the prefill GEMM runs the row kernels token by token).
-q6l_row_tokens = _make_lane6_rows_kernel(1, LANE6_TOKENS) if HAVE_AVX2 else None
+
+
+@njit(cache=True)
+def _p_lane6_row_tokens(y, r, wp, sc, xq, dx, nb, t0):  # the portable loops, token by token
+    for j in range(t0, t0 + LANE6_TOKENS):
+        _lane6_rows_portable(y[j], r, 1, wp, sc, xq[j], dx[j], nb)
+
+
+#: ``k(y, r0, wp, sc, xq, dx, nb, t0)``: 1 row x :data:`LANE6_TOKENS` tokens (the AVX2
+#: intrinsic where the host has AVX2, else the portable loops token by token).
+q6l_row_tokens = (_make_lane6_rows_kernel(1, LANE6_TOKENS) if HAVE_AVX2
+                  else _p_lane6_row_tokens)

@@ -20,26 +20,18 @@ caller subtracts it as for decode).
 """
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_F32, _I8, _I16, _I32, _UNPACK_HI, _UNPACK_LO, _V4F32, _V8F32, _V8I32,
-                    _V16I16, _V32I8, CHUNK_BYTES, HAVE_AVX2, STRICT, _declare, _gep,
-                    _rows_portable, _splat4, _splat_f32, chunk_codes, group_scale, zero_accs_ir)
+from ._simd import (_F32, _I8, _I16, _I32, _V8F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                    HAVE_AVX2, STRICT, _declare, _gep, _rows_portable, _splat4, _splat_f32,
+                    chunk_codes, group_scale, row_ptr, widen_signed, zero_accs_ir)
 from .gemv import _finish_rows
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
 TOKEN_BLOCK = 4
-
-
-def _row_ptr(builder, arr, ty, row, elem):
-    """Pointer to element 0 of row ``row`` of a 2-D array (any row stride), as ``elem*``."""
-    stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-    base = builder.bitcast(arr.data, _I8.as_pointer())
-    return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
 
 
 def _pair_add(builder, a, b):  # vhaddps: [a01 a23 b01 b23 | a45 a67 b45 b67]
@@ -96,23 +88,17 @@ def _make_tokens_kernel(n_tok: int, bits: int):
             fmuladd = _declare(mod, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
             wbase = builder.bitcast(a_wp.data, _I8.as_pointer())
             zero8 = ir.Constant(_V8F32, [0.0] * 8)
-            zero32 = ir.Constant(_V32I8, [0] * 32)
-            lo_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_LO)
-            hi_idx = ir.Constant(ir.VectorType(_I32, 32), _UNPACK_HI)
             toks = [builder.add(t0v, ir.Constant(i64, t)) for t in range(n_tok)]
-            xrows = [_row_ptr(builder, a_xq, ty_xq, t, _I16) for t in toks]
-            drows = [_row_ptr(builder, a_dx, ty_dx, t, _F32) for t in toks]
-            yrows = [_row_ptr(builder, a_y, ty_y, t, _F32) for t in toks]
-            xgrows = [_row_ptr(builder, a_xg, ty_xg, t, _F32) for t in toks]
+            xrows = [row_ptr(builder, a_xq, t, _I16) for t in toks]
+            drows = [row_ptr(builder, a_dx, t, _F32) for t in toks]
+            yrows = [row_ptr(builder, a_y, t, _F32) for t in toks]
+            xgrows = [row_ptr(builder, a_xg, t, _F32) for t in toks]
             accs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
             gaccs = [cgutils.alloca_once(builder, _V8F32) for _ in range(n_tok)]
             cur_g = cgutils.alloca_once(builder, i64)
 
             def group_of(bidx):
                 return builder.sext(builder.load(_gep(builder, a_bm.data, bidx)), i64)
-
-            def widen(v, idx, other):
-                return builder.bitcast(builder.shuffle_vector(v, other, idx), _V16I16)
 
             with cgutils.for_range(builder, nrv) as rloop:
                 row = builder.add(r0v, rloop.index)
@@ -173,8 +159,7 @@ def _make_tokens_kernel(n_tok: int, bits: int):
                         enter_group(group_of(b))
                         wv = builder.load(builder.bitcast(_gep(builder, wr, off),
                                                           _V32I8.as_pointer()), align=1)
-                        sign = builder.sext(builder.icmp_signed("<", wv, zero32), _V32I8)
-                        dot_all(widen(wv, lo_idx, sign), widen(wv, hi_idx, sign), b)
+                        dot_all(*widen_signed(builder, wv), b)
                 flush_all(builder.load(cur_g))
                 tot = _hsum4(builder, [builder.load(a) for a in accs])
                 # zero-point term per token: _finish_rows' (zero_term_ir) lane sums, then

@@ -7,8 +7,8 @@ kernels of :mod:`._simd_k` take exact integer dots per half block and apply
 ``dx_b * s_(half)`` per lane, and :func:`.gemv._finish_rows` adds the bias. Prefill
 runs that same per-row computation for each token (tiled as :mod:`.qgemm`: weight tiles
 of ``TILE_BLOCKS`` 4-row blocks by token chunks of ``TILE_TOKENS``), so decode and
-prefill agree bit for bit whatever the number of rows. For 6-bit weights on AVX2 hosts
-the prefill kernel builds each row's codes once for ``LANE6_TOKENS`` tokens
+prefill agree bit for bit whatever the number of rows. For 6-bit weights the prefill
+kernel builds each row's codes once for ``LANE6_TOKENS`` tokens
 (:data:`._simd_k.q6l_row_tokens`, the same steps per token).
 
 Weights (:class:`.repack.CpuQuantWeight` with ``lane_scales``): ``wp`` int8
@@ -129,27 +129,7 @@ def _gemm_q8l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _gemm_q6l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q8l, 6-bit rows
-    t_n = x.shape[0]
-    for t in prange(t_n):
-        quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
-    out = y.shape[1]
-    nblk = out // 4
-    n_items = nblk + out - nblk * 4
-    n_tiles = -(-n_items // TILE_BLOCKS)
-    n_chunks = -(-t_n // TILE_TOKENS)
-    for it in prange(n_tiles * n_chunks):
-        tile = it // n_chunks
-        c = it - tile * n_chunks
-        i1 = min(n_items, (tile + 1) * TILE_BLOCKS)
-        t1 = min(t_n, (c + 1) * TILE_TOKENS)
-        for i in range(tile * TILE_BLOCKS, i1):
-            for t in range(c * TILE_TOKENS, t1):
-                _lane6_block(i, nblk, y[t], wp, sc, sz, bias, xq[t], dx[t], xg[t])
-
-
-@njit(parallel=True, cache=True, fastmath=True)
-def _gemm_q6l_tokens(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q6l, 4 tokens a call
+def _gemm_q6l(y, x, wp, sc, sz, bmap, bias, xq, dx, xg):  # as _gemm_q8l, 4 tokens a call
     t_n = x.shape[0]
     for t in prange(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], bmap)
@@ -197,10 +177,7 @@ def gemm_lane(x: np.ndarray, w: CpuQuantWeight, bias: np.ndarray | None) -> np.n
     xq = np.empty((t, w.n_blocks * XQ_PER_BLOCK), XQ_DTYPE)
     dx = np.empty((t, w.n_blocks), np.float32)
     xg = np.empty((t, w.n_groups), np.float32)
-    if w.bits == 6:
-        gemm = _gemm_q6l if q6l_row_tokens is None or t < LANE6_TOKENS else _gemm_q6l_tokens
-    else:
-        gemm = _gemm_q8l
+    gemm = _gemm_q6l if w.bits == 6 else _gemm_q8l
     gemm(y, x, w.wp, w.sc, w.sz, w.bmap, _NO_BIAS if bias is None else bias, xq, dx, xg)
     return y
 
