@@ -206,7 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: one forward per layer, each linear's Hessian from its inputs "
                         "with the layer's earlier linears quantized (default on; off: every "
                         "Hessian from the float layer, two forwards per layer, slower)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: rotate the residual stream and value heads first (same "
+                        "function, fewer outliers per group; a tied head is stored apart). "
+                        "Default on for gptq where the architecture allows it (not Gemma)")
+    s.add_argument("--gptq-grid", choices=["mse", "minmax"], default=None,
+                   help="GPTQ's group scales and zero points: mse (default: the clip "
+                        "minimising the diag(H)-weighted error) or minmax (the group's range)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="calibration windows and the rotation's draw")
     s.add_argument("--quiet", "-q", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_convert)

@@ -108,7 +108,8 @@ def cmd_convert(args) -> int:
                      group_size=args.group_size, symmetric=args.symmetric,
                      embed_bits=args.embed_bits, calib_path=args.calib, n_calib=args.n_calib,
                      seed=args.seed, act_order=args.act_order, progress=not args.quiet,
-                     overwrite=args.force, true_sequential=args.true_sequential)
+                     overwrite=args.force, true_sequential=args.true_sequential,
+                     rotate=args.rotate, gptq_grid=args.gptq_grid)
     if args.output is None:
         report["model"] = f"{name}:{args.method}"
     if args.json:

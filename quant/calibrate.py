@@ -246,7 +246,8 @@ def _run_layer(be, cfg, tensors_short: dict, i: int, x: np.ndarray, rope,
 def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *, bits: int = 4,
                     group_size: int = 128, symmetric: bool = False, act_order: bool = False,
                     n_search: int = 2048, on_layer: Callable[[int], None] | None = None,
-                    true_sequential: bool = True) -> tuple[dict[str, Any], dict]:
+                    true_sequential: bool = True,
+                    gptq_grid: str = "minmax") -> tuple[dict[str, Any], dict]:
     """Quantize every decoder layer of ``source`` (module docstring: sequential driver).
 
     Args:
@@ -263,6 +264,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
             inputs with the earlier groups quantized (:mod:`.gptq_sequential`); False:
             every Hessian from the float layer (a capture forward, then the quantized
             layer's forward).
+        gptq_grid: GPTQ's group-parameter rule (:data:`.gptq.GRIDS`).
 
     Returns:
         ``(canonical name -> QuantizedTensor / float32 array, info)``; ``info["awq_alpha"]``
@@ -276,14 +278,14 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
     pool = None if method in DATA_FREE else _solver_pool()
     try:
         return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
-                                n_search, on_layer, pool, true_sequential)
+                                n_search, on_layer, pool, true_sequential, gptq_grid)
     finally:
         if pool is not None:
             pool.close()
 
 
 def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order, n_search,
-                     on_layer, pool, true_sequential):
+                     on_layer, pool, true_sequential, gptq_grid):
     from .gptq_sequential import SequentialGPTQBackend, gptq_layer
 
     cfg = source.config
@@ -294,7 +296,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
 
     def solve_group(key, w, H):  # a linear group of layer i (true-sequential GPTQ)
         return gptq_quantize(w, H, bits, effective_group(w.shape[1], group_size), symmetric,
-                             act_order=act_order, name=names[key], pool=pool)
+                             act_order=act_order, grid=gptq_grid, name=names[key], pool=pool)
 
     seq_be = SequentialGPTQBackend(solve_group, pool=pool)
     x = None
@@ -363,7 +365,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
                     w = np.concatenate([lw[m] for m in members], axis=0)
                     solved[cap_key] = gptq_quantize(
                         w, hs[cap_key].H, bits, effective_group(w.shape[1], group_size),
-                        symmetric, act_order=act_order, name=names[members[0]])
+                        symmetric, act_order=act_order, grid=gptq_grid, name=names[members[0]])
 
                 # the four solves are independent: one per worker, one BLAS thread each
                 # (small LAPACK calls on a multi-threaded BLAS mostly wait for each other)

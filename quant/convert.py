@@ -35,8 +35,10 @@ from ..errors import ModelFormatError
 from ..safe_write import check_output
 from ..source import ModelSource
 from .calibrate import calibration_ids, check_finite, quantize_layers, random_ids
+from .gptq import GRIDS as GPTQ_GRIDS
 from .grid import GROUP_SIZE as GRID_GROUP, SYMMETRIC as GRID_SYMMETRIC
 from .signmax import GROUP_SIZE as SIGNMAX_GROUP
+from .rotate import rotate_source, rotation_refusal
 from .rtn import quantize_rtn
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             calib_path: str | None = None, n_calib: int | None = None,
             calib_len: int | None = None, seed: int = 0, act_order: bool = False,
             n_search: int = 2048, progress: bool = True, overwrite: bool = False,
-            true_sequential: bool = True) -> dict:
+            true_sequential: bool = True, rotate: bool | None = None,
+            gptq_grid: str | None = None) -> dict:
     """Quantize a model and write it as one self-contained ``.eif`` file.
 
     Args:
@@ -159,6 +162,10 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         true_sequential: GPTQ's Hessians from the inputs with the layer's earlier linears
             quantized, one forward per layer (:mod:`.gptq_sequential`); False: from the
             float layer.
+        rotate: GPTQ on the model with its residual stream and value heads rotated
+            (:mod:`.rotate`; the head becomes its own INT8 table when it was tied); None:
+            for GPTQ wherever the architecture allows it.
+        gptq_grid: GPTQ's group-parameter rule (:data:`.gptq.GRIDS`); None: "mse".
 
     Returns:
         report dict: out_path, method, bits, group_size, file_size, bits_per_weight (all
@@ -168,7 +175,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     Raises:
         ModelFormatError: unreadable source, non-finite weights (the tensor is named), an
             untied model without ``lm_head.weight``.
-        ValueError: bad options.
+        ValueError: bad options; ``rotate`` with another method than GPTQ or an
+            architecture that cannot be rotated (the reason named).
         OutputError: ``out_path`` exists (without ``overwrite``), is the source (a GGUF,
             a file of the HF folder, the calibration text; also through a link) or a
             folder; no space, a read-only or unwritable folder. Nothing is left behind.
@@ -188,10 +196,20 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     if method == "signmax" and not symmetric:
         raise ValueError("signmax is symmetric only (zero point 8): drop --no-symmetric, or "
                          "choose grid or rtn for asymmetric groups")
+    if rotate and method != "gptq":
+        raise ValueError(f"rotate is for --method gptq (its error compensation is what the "
+                         f"rotation pays into; {method} alone loses with it)")
+    gptq_grid = "mse" if gptq_grid is None else gptq_grid
+    if gptq_grid not in GPTQ_GRIDS:
+        raise ValueError(f"unknown GPTQ grid {gptq_grid!r}; choose {' or '.join(GPTQ_GRIDS)}")
     t0 = time.perf_counter()
     source = _open(src)
     inputs = [str(source.path), calib_path]
     check_output(out_path, overwrite=overwrite, inputs=inputs)  # before minutes of work
+    if rotate is None:
+        rotate = method == "gptq" and rotation_refusal(source.config) is None
+    if rotate:
+        source = rotate_source(source, seed)  # ValueError naming why, where it cannot
     cfg = source.config
     if not cfg.tie_word_embeddings and "lm_head.weight" not in source.tensors:
         raise ModelFormatError(
@@ -215,6 +233,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             tensors, info = quantize_layers(
                 source, ids, method, bits=bits, group_size=group_size, symmetric=symmetric,
                 act_order=act_order, n_search=n_search, true_sequential=true_sequential,
+                gptq_grid=gptq_grid,
                 on_layer=(lambda i: bar.update(1)) if bar else None)
     finally:
         if bar:
@@ -242,7 +261,10 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         "group_rule": "requested size, else the largest multiple of 32 below it dividing "
                       "in_features, else zero-padded; per tensor in 'quantization'",
         "embed_bits": embed_bits, "act_order": act_order, "seed": seed,
-        **({"true_sequential": true_sequential} if method == "gptq" else {}),
+        **({"true_sequential": true_sequential, "gptq_grid": gptq_grid,
+            "rotation": ({"residual": "random orthogonal", "value_heads": "random orthogonal",
+                          "seed": seed, "norms": "folded into the linears"} if rotate
+                         else None)} if method == "gptq" else {}),
         "calibration": calib_desc,
     }
     if ids is not None and calib_path is None:

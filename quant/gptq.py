@@ -33,7 +33,13 @@ import math
 import numpy as np
 
 from ..backends.quantized import QuantizedTensor
+from .mse import search_group_params
 from .rtn import assemble, group_params, resolve_group, storage_scales
+
+#: group-parameter rules: "minmax" (the reference implementation's quantizer: the group's
+#: range, 0 included) or "mse" (:func:`~edgeinfer.quant.mse.search_group_params`, the
+#: squared error weighted by ``diag(H)``: the clip search GPTQ's weights then round on)
+GRIDS = ("minmax", "mse")
 
 
 class Hessian:
@@ -232,9 +238,20 @@ def _inner_block(g: int, act_order: bool) -> int:
     return g if g < 32 else math.gcd(g, 32)
 
 
+def _group_params(wg: np.ndarray, imp: np.ndarray, bits: int, symmetric: bool,
+                  grid: str) -> tuple[np.ndarray, np.ndarray]:
+    """float64 ``(scale, zero)`` of ``wg [out, n_groups, g]`` by ``grid`` (:data:`GRIDS`);
+    ``imp [n_groups, g]``: the columns' ``diag(H)`` (the "mse" search's weights)."""
+    if grid == "minmax":
+        return group_params(wg, bits, symmetric)
+    s, z, _ = search_group_params(np.asarray(wg, np.float32), imp[None].astype(np.float32),
+                                  symmetric)
+    return s.astype(np.float64), z.astype(np.float64)
+
+
 def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int = 128,
                   symmetric: bool = False, *, act_order: bool = False, percdamp: float = 0.01,
-                  name: str = "", pool=None) -> QuantizedTensor:
+                  grid: str = "minmax", name: str = "", pool=None) -> QuantizedTensor:
     """Quantize ``w [out, in]`` with GPTQ given the input Hessian ``H [in, in]``.
 
     Columns are processed in blocks of 32: inside a block, each column gets the updates of
@@ -253,6 +270,7 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
             (``in % group_size != 0`` is zero-padded the same way).
         act_order: process columns by decreasing ``diag(H)`` with static groups (module doc).
         percdamp: dampening as a fraction of ``mean(diag H)``.
+        grid: the group-parameter rule (:data:`GRIDS`).
         name: tensor name for messages.
         pool: a :class:`~edgeinfer.backends.cpu.gemm.GemmPool`: the factor on one worker,
             then the rows split in one slice per worker (rows are independent: the same
@@ -272,12 +290,18 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         raise ValueError(f"{name or 'weight'}: contains NaN or inf; cannot quantize")
     if bits != 4:
         raise ValueError("GPTQ here quantizes linear layers to 4 bits")
+    if grid not in GRIDS:
+        raise ValueError(f"unknown grid {grid!r}; choose {' or '.join(GRIDS)}")
     g, in_pad = resolve_group(n_in, group_size, bits)
     n_groups = in_pad // g
     H = np.array(H, np.float32)
     dead = np.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    imp = np.zeros(in_pad, np.float32)  # padded columns weigh nothing
+    imp[:n_in] = np.diag(H)
+    imp = imp.reshape(n_groups, g)
+    params = functools.partial(_group_params, bits=bits, symmetric=symmetric, grid=grid)
 
     # group parameters, transposed [n_groups, out]: storage-rounded values (exact in float32)
     S = np.zeros((n_groups, out), np.float32)
@@ -286,7 +310,17 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         # static groups: parameters from the original contiguous groups, before any update
         Wp = np.zeros((out, in_pad))
         Wp[:, :n_in] = W
-        s, z = group_params(Wp.reshape(out, n_groups, g), bits, symmetric)
+        W3 = Wp.reshape(out, n_groups, g)
+        if grid == "minmax" or pool is None or pool.threads < 2 or out < 2 * pool.threads:
+            s, z = params(W3, imp)
+        else:  # the search is rows apart: one slice per worker
+            s, z = np.empty((out, n_groups)), np.empty((out, n_groups))
+            step = -(-out // pool.threads)
+
+            def search(o0):
+                s[o0:o0 + step], z[o0:o0 + step] = params(W3[o0:o0 + step], imp)
+
+            pool.run(search, range(0, out, step))
         S[:], Z[:] = s.T, z.T
         perm = np.argsort(-np.diag(H), kind="stable")
     else:
@@ -294,8 +328,8 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     W0 = np.ascontiguousarray(W[:, perm].T)  # [n_in, out]: column j of W is row j here
     del W
     Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
-    loop = functools.partial(_column_loop, perm=perm, g=g, act_order=act_order, bits=bits,
-                             symmetric=symmetric)
+    loop = functools.partial(_column_loop, perm=perm, g=g, act_order=act_order,
+                             params=params, imp=imp)
     if pool is None or pool.threads < 2 or out < 2 * pool.threads:
         Rt = hessian_factor(H, perm, percdamp)
         del H
@@ -326,11 +360,12 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     return assemble(codes, scales, zeros, bits, g, n_in, "gptq")
 
 
-def _column_loop(W0, Rt, S, Z, Qt, *, perm, g, act_order, bits, symmetric) -> None:
+def _column_loop(W0, Rt, S, Z, Qt, *, perm, g, act_order, params, imp) -> None:
     """GPTQ's column loop over ``W0 [n_in, out]`` (the permuted, transposed weight, any
     subset of ``out``) with the factor ``Rt`` (:func:`hessian_factor`): fills the codes
     ``Qt [n_in, out]`` and, with dynamic groups, the group parameters ``S``, ``Z``
-    ``[n_groups, out]`` (float32, storage-rounded)."""
+    ``[n_groups, out]`` (float32, storage-rounded) by ``params(wg, imp)``
+    (:func:`_group_params` bound to the format and grid)."""
     n_in, out = W0.shape
     Wt = W0.copy()  # the columns with the updates of every finished block
     group_of = (perm // g).astype(np.int64)
@@ -346,7 +381,7 @@ def _column_loop(W0, Rt, S, Z, Qt, *, perm, g, act_order, bits, symmetric) -> No
             # group's diagonal block of R̃ (U = R⁻¹ is triangular): one g x g inverse converts
             i3 = min(i1 + g, n_in)
             cur = W0[i1:i3] + np.linalg.inv(Rt[i1:i3, i1:i3]).T @ (Wt[i1:i3] - W0[i1:i3])
-            s, z = group_params(cur.T.astype(np.float64)[:, None, :], bits, symmetric)
+            s, z = params(cur.T.astype(np.float64)[:, None, :], imp[i1 // g:i1 // g + 1, :i3 - i1])
             S[i1 // g], Z[i1 // g] = s[:, 0], z[:, 0]
         quantize_block(Wt, W0, np.ascontiguousarray(Rt[i1:i2, i1:i2]), S, Z, group_of, i1, i2,
                        Qt, D)

@@ -10,10 +10,14 @@ point is an integer code (not a float minimum), so for each candidate scale it i
 grid (:func:`~edgeinfer.quant.rtn.group_params`) is the first candidate, so no group
 is worse than RTN.
 
-All math in float32 (the weights are float32), vectorized over every group of a tensor
-in row blocks (bounded temporaries).
+Codes, scales and errors in float32 (the weights are float32): each group's candidates
+are scored in one compiled pass with float64 sums (:func:`search_group_params`);
+:func:`search_group_params_reference` is the same search in numpy, vectorized over the
+groups, the oracle the tests hold it to.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -56,9 +60,95 @@ def _err(wg, a, q, s, z):
     return d.sum(axis=-1)
 
 
+def _candidates(wg: np.ndarray, symmetric: bool, deltas) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate grids of groups ``wg [G, g]`` (float32): scales and zeros ``[G, C]``,
+    RTN's first, then one per ``δ`` (:data:`DELTAS`), in the reference search's order."""
+    lo = np.minimum(wg.min(axis=-1), 0.0)
+    hi = np.maximum(wg.max(axis=-1), 0.0)
+    S = np.empty((len(wg), 1 + len(deltas)), np.float32)
+    Z = np.empty_like(S)
+    S[:, 0], Z[:, 0] = (v.astype(np.float32) for v in group_params(wg.astype(np.float64), 4, symmetric))
+    amax = np.maximum(-lo / 8.0, hi / 7.0)
+    for c, d in enumerate(deltas, 1):
+        if symmetric:
+            S[:, c] = _fp16_up(amax * np.float32(15.0 / (15.0 + d)))
+            Z[:, c] = SYMMETRIC_ZERO_4BIT
+        else:
+            S[:, c] = _fp16_up((hi - lo) / np.float32(15.0 + d))
+            Z[:, c] = np.clip(np.rint(-lo / S[:, c]), 0.0, 15.0)
+    return S, Z
+
+
+def _score_py(w, a, S, Z, fit, num, den, err):
+    """For every group ``i`` (rows of ``w``, ``a`` float32 ``[G, g]``) and candidate ``c``
+    (``S``, ``Z`` float32 ``[G, C]``): the codes ``clip(rint(w / s) + z, 0, 15)``, their
+    weighted error ``err = Σ a ((q − z) s − w)²`` and, with ``fit``, the least-squares
+    sums ``num = Σ a (q − z) w``, ``den = Σ a (q − z)²`` (float64 ``[G, C]``)."""
+    lo, top = np.float32(0.0), np.float32(15.0)
+    for i in range(w.shape[0]):
+        for c in range(S.shape[1]):
+            s, z = S[i, c], Z[i, c]
+            e, nu, de = 0.0, 0.0, 0.0
+            for j in range(w.shape[1]):
+                q = min(max(np.rint(w[i, j] / s) + z, lo), top)
+                qz = q - z
+                d = qz * s - w[i, j]
+                e += d * d * a[i, j]
+                if fit:
+                    aq = qz * a[i, j]
+                    nu += aq * w[i, j]
+                    de += aq * qz
+            err[i, c] = e
+            if fit:
+                num[i, c], den[i, c] = nu, de
+
+
+@functools.lru_cache(maxsize=1)
+def _score_kernel():
+    """:func:`_score_py` compiled by numba (cached on disk, releases the GIL), or the
+    Python function where numba is unavailable (slow, same values)."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return _score_py
+    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"})(_score_py)
+
+
 def search_group_params(wg: np.ndarray, a: np.ndarray | None, symmetric: bool = False,
                         deltas=DELTAS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Scale, zero and codes minimising ``Σ a (w − (q − z) s)²`` per group.
+    """Scale, zero and codes minimising ``Σ a (w − (q − z) s)²`` per group: the search of
+    :func:`search_group_params_reference` (same candidates, same order, the first best
+    kept), each group's candidates scored in one compiled pass (:func:`_score_py`) with
+    float64 sums instead of numpy's float32 ones, so a near-tie may resolve otherwise.
+
+    Args, Returns: as :func:`search_group_params_reference`.
+    """
+    shape, g = wg.shape[:-1], wg.shape[-1]
+    w2 = np.ascontiguousarray(wg, np.float32).reshape(-1, g)
+    a2 = (np.ones_like(w2) if a is None else
+          np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32), wg.shape)).reshape(-1, g))
+    S, Z = _candidates(w2, symmetric, deltas)
+    num, den, err = (np.empty(S.shape) for _ in range(3))
+    score = _score_kernel()
+    score(w2, a2, S, Z, True, num, den, err)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        S2 = _fp16_up(np.where(den > 0, num / np.where(den > 0, den, 1), S).astype(np.float32))
+    err2 = np.empty(S.shape)
+    score(w2, a2, S2, Z, False, num, den, err2)
+    E = np.empty((len(S), 2 * S.shape[1]))
+    E[:, 0::2], E[:, 1::2] = err, err2  # the reference's order: s, then its refit, per δ
+    k = np.argmin(E, axis=1)
+    rows = np.arange(len(S))
+    best_s = np.where(k % 2 == 0, S[rows, k // 2], S2[rows, k // 2])
+    best_z = Z[rows, k // 2]
+    q = _codes(w2, best_s, best_z)
+    return best_s.reshape(shape), best_z.reshape(shape), q.reshape(wg.shape)
+
+
+def search_group_params_reference(wg: np.ndarray, a: np.ndarray | None, symmetric: bool = False,
+                                  deltas=DELTAS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scale, zero and codes minimising ``Σ a (w − (q − z) s)²`` per group (numpy, the
+    oracle of :func:`search_group_params`).
 
     Args:
         wg: float32 ``[..., g]`` grouped weights.

@@ -360,3 +360,24 @@ def test_chat_after_ctrl_c_reuses_the_partial_answer(smollm2_gguf):
     # first prompt and of the partial answer (g1 tokens) come from the cache
     assert r2 == p1 + g1, text
     assert p2 > r2
+
+
+def test_convert_gptq_rotation_and_grid_flags(stories_dir, tmp_path):
+    """`--no-rotate --gptq-grid minmax` reach the converter (recorded in the file); the
+    default rotates stories260K (a llama) and searches its groups."""
+    from edgeinfer.container import describe_eif
+
+    text = tmp_path / "c.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She liked to play. " * 40)
+    common = ("--method", "gptq", "--group-size", "32", "--calib", str(text), "--n-calib", "2", "-q")
+    out = tmp_path / "plain.eif"
+    r = run_cli("convert", str(stories_dir), "-o", str(out), *common, "--no-rotate",
+                "--gptq-grid", "minmax")
+    assert r.returncode == 0, r.stderr
+    prov = describe_eif(out)["provenance"]
+    assert prov["rotation"] is None and prov["gptq_grid"] == "minmax"
+    out = tmp_path / "rot.eif"
+    r = run_cli("convert", str(stories_dir), "-o", str(out), *common)
+    assert r.returncode == 0, r.stderr
+    prov = describe_eif(out)["provenance"]
+    assert prov["rotation"]["residual"] == "random orthogonal" and prov["gptq_grid"] == "mse"
