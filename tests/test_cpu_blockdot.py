@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu import CpuBackend, _amx, _blockdot, _simd, gemv, qgemm
+from edgeinfer.backends.cpu import CpuBackend, _amx, _blockdot, _simd_ir, gemv, qgemm
 from edgeinfer.backends.cpu.gemv import _finish_rows, quantize_act
 from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored, term_values
 from test_cpu_kernels import random_q
 
 CPU = CpuBackend(threads=2)
-pytestmark = pytest.mark.skipif(not _simd.HAVE_AVX2, reason="the block-dot kernels are AVX2 IR")
+pytestmark = pytest.mark.skipif(not _simd_ir.HAVE_AVX2, reason="the block-dot kernels are AVX2 IR")
 
 _K4, _K1 = _blockdot.BLOCKDOT_ROWS[4], _blockdot.BLOCKDOT_ROWS[1]
 
@@ -53,7 +53,7 @@ def _fma(a, b, c):
 def _emulate(codes, sc_rows, xq, dx, bmap):
     """acc [out] float32 by the module docstring's steps; codes int64 [out, nb * 32]."""
     out, nb = codes.shape[0], dx.shape[0]
-    pos = _simd.ACT_ORDER
+    pos = _simd_ir.ACT_ORDER
     q = xq.astype(np.int64).reshape(nb, 32)[:, pos]  # column j of block b
     d = np.einsum("rbj,bj->rb", codes.reshape(out, nb, 32), q)
     assert np.abs(d).max() < 2 ** 24  # float(D) exact

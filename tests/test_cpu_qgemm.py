@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from numba import njit
 from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight
-from edgeinfer.backends.cpu._simd import ACT_ORDER
+from edgeinfer.backends.cpu._simd_ir import ACT_ORDER
 from edgeinfer.backends.cpu.gemv import ACT_LEVELS, ActScratch, quantize_act
 from edgeinfer.backends.cpu.qgemm import TILE_ROWS, TILE_TOKENS
 from test_cpu_kernels import random_q
@@ -215,7 +215,7 @@ def test_token_kernels_equal_one_token_kernels(bits, n_in, group, sym):
     float32 the one-token kernel + ``_finish_rows`` writes: the SIMD pair when the host
     has AVX2, and the portable pair (the no-AVX2 fallback) everywhere. Groups of 32, 128,
     96 (groups flush inside a 64-column chunk), per-row; with and without bias."""
-    from edgeinfer.backends.cpu import _simd, _simd_tokens
+    from edgeinfer.backends.cpu import _simd, _simd_ir, _simd_tokens
     from edgeinfer.backends.cpu.gemv import _finish_rows
 
     rng = np.random.default_rng(n_in + group)
@@ -230,7 +230,7 @@ def test_token_kernels_equal_one_token_kernels(bits, n_in, group, sym):
     for t in range(t_n):
         quantize_act(xq[t], dx[t], xg[t], x[t], h.bmap)
     pairs = [(_simd.PORTABLE_ROWS, _simd_tokens.PORTABLE_TOKENS)]
-    if _simd.HAVE_AVX2:  # the IR intrinsics are callable from jitted code only
+    if _simd_ir.HAVE_AVX2:  # the IR intrinsics are callable from jitted code only
         pairs.append(({k: _jit_rows(v) for k, v in _simd.SIMD_ROWS.items()},
                       {k: _jit_tokens(v) for k, v in _simd_tokens.SIMD_TOKENS.items()}))
     for bias in (np.zeros(0, np.float32), rng.standard_normal(out).astype(np.float32)):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu._simd import zero_term
+from edgeinfer.backends.cpu._simd_ir import zero_term
 from edgeinfer.backends.cpu.repack import SUPER_GROUPS, pack_factored
 
 

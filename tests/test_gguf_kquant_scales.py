@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd, _simd_tokens
+from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd, _simd_ir, _simd_tokens
 from edgeinfer.backends.cpu.gemv import quantize_act
 from edgeinfer.backends.cpu.repack import factor_group_terms, factor_scales, pack_factored
 from edgeinfer.readers.gguf_blocks import relayout
@@ -97,7 +97,7 @@ def test_portable_kernels_read_factored_scales(bits):
     y, yf, ys = (np.zeros(8, np.float32) for _ in range(3))
     rows(y, 4, h.wp, h.sc, xq[0], dx[0], h.bmap, nb)
     rows(yf, 4, hf.wp, hf.sc, xq[0], dx[0], h.bmap, nb)
-    if _simd.HAVE_AVX2:
+    if _simd_ir.HAVE_AVX2:
         _simd_rows4(bits, ys, 4, h.wp, h.sc, xq[0], dx[0], h.bmap, nb)
         np.testing.assert_allclose(y[4:], ys[4:], rtol=1e-5, atol=1e-5 * np.abs(ys).max())
     assert bits_equal(y, yf) and np.abs(y[4:]).max() > 0

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd, _simd_tokens
+from edgeinfer.backends.cpu import CpuBackend, CpuQuantWeight, _simd, _simd_ir, _simd_tokens
 from edgeinfer.backends.cpu.gemv import ActScratch, quantize_act
 from edgeinfer.backends.cpu.repack import five_bit_codes, term_values
 from edgeinfer.backends.quantized import QuantizedTensor
@@ -145,7 +145,7 @@ def test_simd_portable_and_oracle_agree(qname, out, nblk, group):
     oracle = w.dequantize() @ x
     ys = []
     kernel_sets = [{4: _simd.PORTABLE_ROWS[(4, 5)], 1: _simd.PORTABLE_ROWS[(1, 5)]}]
-    if _simd.HAVE_AVX2:
+    if _simd_ir.HAVE_AVX2:
         kernel_sets.insert(0, {4: _simd_rows4, 1: _simd_rows1})
     for kernels in kernel_sets:
         y = np.zeros(out, np.float32)

@@ -45,7 +45,7 @@ from ..blockrows import BlockRows
 from ..kvcache import HostKVCache, _rotate
 from ..osmemory import ForwardReleaser, private_file_view, release_mapped_pages
 from ..quantized import QuantizedTensor
-from . import _simd
+from . import _simd_ir
 from . import plan as _plan
 from .attention import ATTN_SERIAL_MAX, decode_scratch_shape
 from .blockrows import dequant_block_rows
@@ -126,7 +126,7 @@ def kernel_paths() -> dict[str, str]:
     (attention, elementwise, fused halves) for, e.g. ``"znver3"``.
     """
     import llvmlite.binding as llb
-    rows = "avx2" if _simd.HAVE_AVX2 else "portable"
+    rows = "avx2" if _simd_ir.HAVE_AVX2 else "portable"
     q4 = {}
     if BLOCKDOT:  # 4-, 5-, 8-bit weights: block-dot numerics, their GEMMs on AMX tiles
         tiles = "amx" if HAVE_AMX else "avx2-blockdot"

@@ -36,8 +36,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS4_TOKENS, BLOCKDOT_ROWS5, ROWS_TOKENS
-from ._simd import (_I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load, _masked_store,
-                    group_value, splat)
+from ._simd_ir import (_I8, _I32, ACT_ORDER, STRICT, _declare, _gep, _masked_load,
+                       _masked_store, group_value, splat)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 
@@ -103,9 +103,9 @@ def tile_ops(mod) -> tuple:
 
 def _zero_term_rows(builder, szt, xgrow, ngv):
     """<16 x float> ``sum_g sz[g, rows] * xg[g]`` of 16 rows (lanes) and one activation
-    row: for each row the float sequence of :func:`._simd.zero_term_ir` (group ``g`` in
+    row: for each row the float sequence of :func:`._simd_ir.zero_term_ir` (group ``g`` in
     class ``g % 8`` from +0.0, in group order; the last ``ngv % 8`` groups' missing
-    classes add +0.0; then the :func:`._simd._hsum8` tree), so every lane equals
+    classes add +0.0; then the :func:`._simd_ir._hsum8` tree), so every lane equals
     :func:`.gemv._finish_rows`'s term bit for bit. ``szt`` <16 x float>* [ng],
     ``xgrow`` float*, ``ngv`` i64."""
     i64 = ir.IntType(64)
@@ -285,7 +285,7 @@ amx_panel, amx_panel2 = _make_amx_panels(1), _make_amx_panels(2)
 
 
 #: Word (4 codes) of a block's packed 32-byte chunk half that holds activation positions
-#: 4k .. 4k + 3 (:data:`._simd.ACT_ORDER` keeps runs of 4 columns together).
+#: 4k .. 4k + 3 (:data:`._simd_ir.ACT_ORDER` keeps runs of 4 columns together).
 _POS_WORD = np.array([int(np.argsort(ACT_ORDER)[4 * k]) // 4 for k in range(8)], np.int64)
 
 

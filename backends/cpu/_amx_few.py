@@ -36,7 +36,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._amx import blockdot_rows, tile_ops
-from ._simd import _I8, _I32, ACT_ORDER, CHUNK_BYTES, _declare, _fifth_bits, _gep, group_scale
+from ._simd_ir import (_I8, _I32, ACT_ORDER, CHUNK_BYTES, _declare, _fifth_bits, _gep,
+                       group_scale)
 from .gemv import XQ_DTYPE, XQ_PER_BLOCK, _finish_rows, quantize_rows
 
 #: Weight rows per panel (the A tile's rows).

@@ -36,7 +36,7 @@ _V8F32 = ir.VectorType(_F32, 8)
 _FMA_NAME = "llvm.fma.v8f32" if _FEATURES.get("fma", False) else "llvm.fmuladd.v8f32"
 #: Lanes (queries) of one :func:`scores8` call, and keys per inner block.
 LANES = 8
-#: Flags on order-sensitive adds (see :data:`._simd.STRICT`: Numba's fastmath pass leaves
+#: Flags on order-sensitive adds (see :data:`._simd_ir.STRICT`: Numba's fastmath pass leaves
 #: flagged instructions alone, so these sums are never reassociated).
 _STRICT = ("arcp",)
 

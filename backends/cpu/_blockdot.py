@@ -26,9 +26,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_FEATURES, _I8, _I16, _I32, _V4F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
-                    PREFETCH_BLOCKS, _declare, _gep, _splat4, chunk_codes, group_scale,
-                    token_rows, widen_signed)
+from ._simd_ir import (_FEATURES, _I8, _I16, _I32, _V4F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                       PREFETCH_BLOCKS, _declare, _gep, _splat4, chunk_codes, group_scale,
+                       token_rows, widen_signed)
 
 #: The CPU has AMX-INT8 (LLVM's host features; part of every Numba cache key): its
 #: 4-, 5- and 8-bit weights use these numerics in decode and prefill.

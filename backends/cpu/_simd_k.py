@@ -2,7 +2,7 @@
 
 The integer part is :mod:`._simd`'s 8-bit kernel: a 32-column block's int8 codes are
 sign-extended to int16 by the in-lane byte unpacks and two ``pmaddwd`` against the
-block's int16 activations (:data:`._simd.ACT_ORDER` lane order) plus one add give an
+block's int16 activations (:data:`._simd_ir.ACT_ORDER` lane order) plus one add give an
 ``<8 x i32>`` of exact partial dots (``|code * q| <= 128 * 16256``, 4 terms a lane: inside
 float32's 24-bit integers). In that lane order lanes 0-3 hold columns 0-15 and lanes
 4-7 columns 16-31 of the block, so the block's two weight scales apply per lane: one
@@ -16,7 +16,7 @@ scaled by ``sc[r, j]``), ``xq`` int16 ``[nb * 32]``, ``dx`` float32 ``[nb]``.
 
 Kernels ``k(y, r0, wp, sc, xq, dx, nb)`` write, for R rows from ``r0``:
 ``y[r] = sum_b sum_{h < 2} (dx[b] * sc[r, 2 b + h]) * sum_{k in half h of b} code[r, k] * q[k]``.
-The AVX2 intrinsics are used where the host has AVX2 (:data:`._simd.HAVE_AVX2`), else
+The AVX2 intrinsics are used where the host has AVX2 (:data:`._simd_ir.HAVE_AVX2`), else
 portable Numba loops with the same sums (float rounding order aside).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (HAVE_AVX2, STRICT, _declare, _gep, _hsum8, _splat_f32, token_rows,
-                    widen_signed)
+from ._simd_ir import (HAVE_AVX2, STRICT, _declare, _gep, _hsum8, _splat_f32, token_rows,
+                       widen_signed)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
@@ -134,7 +134,7 @@ def _high_crumbs(builder, row, at):
 
 def _lane6_codes(builder, wv, row, off, h):
     """Half ``h`` (block ``2c + h``) of a 6-bit chunk as two ``<16 x i16>`` code vectors
-    (:data:`._simd.ACT_ORDER`'s lane order): ``wv`` the chunk's 32 nibble bytes, ``row``
+    (:data:`._simd_ir.ACT_ORDER`'s lane order): ``wv`` the chunk's 32 nibble bytes, ``row``
     the row's i8*, ``off`` the chunk's byte offset; codes ``nibble | crumb << 4`` minus 32."""
     i64 = ir.IntType(64)
     nib = (builder.and_(wv, ir.Constant(_V32I8, [15] * 32)) if h == 0 else

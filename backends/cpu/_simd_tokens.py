@@ -25,9 +25,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import (_F32, _I8, _I16, _I32, _V8F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
-                    HAVE_AVX2, STRICT, _declare, _gep, _rows_portable, _splat4, _splat_f32,
-                    chunk_codes, group_scale, row_ptr, widen_signed, zero_accs_ir)
+from ._simd_ir import (_F32, _I8, _I16, _I32, _V8F32, _V8I32, _V16I16, _V32I8, CHUNK_BYTES,
+                       HAVE_AVX2, STRICT, _declare, _gep, _splat4, _splat_f32, chunk_codes,
+                       group_scale, row_ptr, widen_signed, zero_accs_ir)
+from ._simd import _rows_portable
 from .gemv import _finish_rows
 
 #: Token counts with a kernel of their own (a T-token call is split into these).
@@ -43,7 +44,7 @@ def _pair_add(builder, a, b):  # vhaddps: [a01 a23 b01 b23 | a45 a67 b45 b67]
 
 def _hsum4(builder, vs):
     """Horizontal sums of up to 4 <8 x float> as one <4 x float>, each by the tree of
-    :func:`._simd._hsum8` (((0+1)+(2+3))+((4+5)+(6+7))): the same float result."""
+    :func:`._simd_ir._hsum8` (((0+1)+(2+3))+((4+5)+(6+7))): the same float result."""
     zero = ir.Constant(_V8F32, [0.0] * 8)
     vs = list(vs) + [zero] * (4 - len(vs))
     h = _pair_add(builder, _pair_add(builder, vs[0], vs[1]), _pair_add(builder, vs[2], vs[3]))

@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._attn_ir import row_max, row_sum
-from ._simd import f32_to_half, half_to_f32, i32_as_f32
+from ._simd_ir import (f32_to_half, half_to_f32, i32_as_f32)
 
 #: Fast-math without "no infs / no NaNs": masked scores are -inf and must stay so.
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}

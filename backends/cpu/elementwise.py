@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import group_value
+from ._simd_ir import (group_value)
 from .attention import exp_f32
 
 #: Row-wise ops on fewer elements than this run serially (a parallel region costs ~3 us).

@@ -12,7 +12,7 @@ Per call (one Numba dispatch, one parallel region):
    across all groups;
 3. subtract the zero-point term ``sum_g sz[r, g] * X[g]`` and add the bias
    (:func:`_finish_rows`, strict float32; the term summed in 8 lanes by group mod 8 and
-   one tree, :func:`._simd.zero_term`, as the prefill kernels sum it).
+   one tree, :func:`._simd_ir.zero_term`, as the prefill kernels sum it).
 
 Error vs. the float reference: the only approximation is the activation rounding, at
 most half a step, ``max|x_b| / 32512`` per element: 128x finer than int8 activations
@@ -28,8 +28,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._blockdot import BLOCKDOT, BLOCKDOT_ROWS, BLOCKDOT_ROWS5
-from ._simd import (_I8, _I32, ACT_ORDER, _declare, q4_rows1, q4_rows4, q5_rows1, q5_rows4,
-                    q8_rows1, q8_rows4, zero_term)
+from ._simd_ir import (_I8, _I32, ACT_ORDER, _declare, zero_term)
+from ._simd import (q4_rows1, q4_rows4, q5_rows1, q5_rows4, q8_rows1, q8_rows4)
 from .repack import FIVE_BIT_ZERO, SYMMETRIC_ZERO_4BIT
 
 if BLOCKDOT:  # AMX hosts: 4-, 5-, 8-bit weights in the block-dot numerics (._blockdot, ._amx)
@@ -54,7 +54,7 @@ SERIAL_MAX_BYTES = 256 * 1024
 @intrinsic
 def _quant_block(typingctx, xq, dx, x, b):
     """One full 32-column block ``b`` of :func:`quantize_act` in vector IR: ``dx[b]`` and
-    the block's ``xq`` (lane order :data:`._simd.ACT_ORDER`) as its scalar loop computes
+    the block's ``xq`` (lane order :data:`._simd_ir.ACT_ORDER`) as its scalar loop computes
     them (the max of ``|x|`` is exact in any order; every other step is per element, in
     strict float32); returns ``sum(q)`` (int64). ``x`` needs ``32 b + 32`` columns."""
     sig = types.int64(xq, dx, x, b)

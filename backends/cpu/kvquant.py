@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._simd import f32_to_half, half_to_f32
+from ._simd_ir import (f32_to_half, half_to_f32)
 from ._attn_ir import scores8, vaccum
 from .attention import _softmax_inplace
 

@@ -18,7 +18,7 @@ CPU kernels want (see :mod:`._simd`):
 8-bit weights whose codes are 5-bit ones (llama.cpp ``Q5_0`` / ``Q5_1`` re-laid by
 :mod:`edgeinfer.readers.gguf_blocks`, :func:`five_bit_codes`) run at 5 bits: the 4-bit
 chunk layout plus a u32 of fifth bits per block (``wp`` uint8 ``[out, nb * 20]``,
-:data:`._simd.CHUNK_BYTES`), unsigned codes 0..31 with ``sz = 16 s`` (``Q5_0``) or
+:data:`._simd_ir.CHUNK_BYTES`), unsigned codes 0..31 with ``sz = 16 s`` (``Q5_0``) or
 ``-m`` (``Q5_1``): 5 bits per weight plus ``sc`` (and ``sz`` for ``Q5_1``).
 ``Q5_0``'s ``sz`` is not stored: it is ``sc`` itself with :attr:`CpuQuantWeight.zero_scale`
 16, and the kernels scale the activation group sums ``X`` by 16 instead (exact: a power
@@ -61,7 +61,7 @@ import numpy as np
 from ..quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
 
 BLOCK = 32  # activation quantization block (columns) == integer dot block
-#: Bytes per two-block chunk of a 5-bit row (:data:`._simd.CHUNK_BYTES`).
+#: Bytes per two-block chunk of a 5-bit row (:data:`._simd_ir.CHUNK_BYTES`).
 CHUNK_BYTES_Q5 = 40
 #: The zero of symmetric 5-bit codes (``Q5_0``: stored code ``u``, weight ``(u - 16) s``).
 FIVE_BIT_ZERO = 16
@@ -242,7 +242,7 @@ def factor_group_terms(a: np.ndarray, nb: int) -> np.ndarray:
     """A 4- / 5-bit weight's float32 ``[out, nb]`` scales (or zero-point terms), one per
     32-column block, as a factored uint8 row (:func:`pack_factored`: int8 per block times
     a float32 per :data:`SUPER_GROUPS` blocks) if they factor exactly, else ``a`` itself.
-    The kernels read either (:func:`._simd.group_value`) with the same float results."""
+    The kernels read either (:func:`._simd_ir.group_value`) with the same float results."""
     if a.shape[1] != nb or nb == 0 or a.shape[0] == 0:
         return a
     if factor_scales(a[:PROBE_ROWS], SUPER_GROUPS) is None:  # cheap no for fp16 scales
@@ -254,7 +254,7 @@ def factor_group_terms(a: np.ndarray, nb: int) -> np.ndarray:
 def half_if_exact(a: np.ndarray) -> np.ndarray:
     """float32 scales (or zero-point terms) ``a`` as uint16 fp16 bits if every value (signed
     zeros too) is an fp16 value, else ``a``: the kernels widen them exactly
-    (:func:`._simd.group_scale`), so the floats they compute are unchanged."""
+    (:func:`._simd_ir.group_scale`), so the floats they compute are unchanged."""
     if a.dtype != np.float32 or a.size == 0:
         return a
     with np.errstate(over="ignore"):  # beyond fp16's range: inf, then unequal
