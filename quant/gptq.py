@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from ..backends.quantized import QuantizedTensor
+from ._compiled import compiled
 from .mse import search_group_params
 from .rtn import assemble, group_params, resolve_group, storage_scales
 
@@ -221,13 +222,8 @@ def _quantize_block_py(Wt, W0, Rb, S, Z, group_of, i1, i2, Qt, D):
 
 @functools.lru_cache(maxsize=1)
 def _block_kernel():
-    """:func:`_quantize_block_py` compiled by numba (cached on disk), or the Python
-    function itself where numba is unavailable (slow, same values)."""
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - numba is a dependency
-        return _quantize_block_py
-    return numba.njit(cache=True, nogil=True)(_quantize_block_py)
+    """:func:`_quantize_block_py` compiled (:func:`._compiled.compiled`)."""
+    return compiled(_quantize_block_py)
 
 
 def _inner_block(g: int, act_order: bool) -> int:

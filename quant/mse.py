@@ -22,6 +22,7 @@ import functools
 import numpy as np
 
 from ..backends.quantized import SYMMETRIC_ZERO_4BIT, QuantizedTensor
+from ._compiled import compiled
 from .rtn import (
     SCALE_EPS,
     assemble,
@@ -105,13 +106,8 @@ def _score_py(w, a, S, Z, fit, num, den, err):
 
 @functools.lru_cache(maxsize=1)
 def _score_kernel():
-    """:func:`_score_py` compiled by numba (cached on disk, releases the GIL), or the
-    Python function where numba is unavailable (slow, same values)."""
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - numba is a dependency
-        return _score_py
-    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"})(_score_py)
+    """:func:`_score_py` compiled (its sums may be reassociated: vectorized)."""
+    return compiled(_score_py, fastmath={"reassoc"})
 
 
 def search_group_params(wg: np.ndarray, a: np.ndarray | None, symmetric: bool = False,
