@@ -15,6 +15,10 @@ implementation's details (``gptq.py`` of IST-DASLab/gptq and AutoGPTQ):
 * group parameters (scale/zero over ``group_size`` columns) computed when the first column
   of a group is reached, from the *already error-compensated* weights (as the reference
   does).
+* ``grid="mse"``: those parameters chosen by :func:`~edgeinfer.quant.mse.search_group_params`
+  with the columns' ``diag(H)`` as weights (the role of the reference implementation's
+  ``Quantizer(mse=True)`` range search, with that module's candidates) instead of the
+  group's min-max range.
 
 **act-order** (``desc_act``, columns processed by decreasing ``H_jj``) is resolved at
 convert time with **static groups** (AutoGPTQ's ``static_groups=True``): the parameters of
