@@ -86,6 +86,12 @@ def cmd_convert(args) -> int:
             return _import_packed(args)
     if args.method is None:  # calibrated with a text file, else the data-free default
         args.method = "awq" if args.calib else "signmax"
+    gptq_only = [f for f, v in (("--rotate", args.rotate or None),
+                                ("--gptq-grid", args.gptq_grid)) if v is not None]
+    if args.method != "gptq" and gptq_only:
+        print(f"error: {' and '.join(gptq_only)} apply to --method gptq only; use --method "
+              f"gptq, or drop {' and '.join(gptq_only)}", file=sys.stderr)
+        return 2
     name, variant = (parse_ref(args.model) if not os.path.exists(args.model)
                      else (args.model, None))
     from_catalog = name in CATALOG and variant in (None, "gguf")
@@ -126,6 +132,10 @@ def cmd_convert(args) -> int:
         if other:  # rows the requested group does not divide (the --group-size rule)
             g = (f"{g}, {other} where {asked} does not divide the row" if asked in groups
                  else f"{other} ({asked} divides no row)")
+        prov = d["provenance"]
+        if args.method == "gptq":  # what the file's GPTQ was run on (also in `info --json`)
+            g += (", rotated" if prov.get("rotation") else ", not rotated") + \
+                f", {prov.get('gptq_grid')} grid"
         lin = [v for k, v in d["bits_per_weight_by_kind"].items() if k in ("attention", "mlp")]
         lin_s = f", linear layers {min(lin):.2f}-{max(lin):.2f}" if lin else ""
         as_name = f" (run it as -m {report['model']})" if "model" in report else ""

@@ -175,8 +175,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     Raises:
         ModelFormatError: unreadable source, non-finite weights (the tensor is named), an
             untied model without ``lm_head.weight``.
-        ValueError: bad options; ``rotate`` with another method than GPTQ or an
-            architecture that cannot be rotated (the reason named).
+        ValueError: bad options (``rotate`` or ``gptq_grid`` with another method than GPTQ).
+        UnsupportedModelError: ``rotate`` on an architecture that cannot be rotated (the
+            reason named).
         OutputError: ``out_path`` exists (without ``overwrite``), is the source (a GGUF,
             a file of the HF folder, the calibration text; also through a link) or a
             folder; no space, a read-only or unwritable folder. Nothing is left behind.
@@ -196,9 +197,10 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     if method == "signmax" and not symmetric:
         raise ValueError("signmax is symmetric only (zero point 8): drop --no-symmetric, or "
                          "choose grid or rtn for asymmetric groups")
-    if rotate and method != "gptq":
-        raise ValueError(f"rotate is for --method gptq (its error compensation is what the "
-                         f"rotation pays into; {method} alone loses with it)")
+    if method != "gptq" and (rotate or gptq_grid is not None):
+        raise ValueError(f"rotate and gptq_grid apply to method 'gptq' only (the rotation pays "
+                         f"through GPTQ's error compensation), not {method!r}; use method='gptq', "
+                         f"or drop them")
     gptq_grid = "mse" if gptq_grid is None else gptq_grid
     if gptq_grid not in GPTQ_GRIDS:
         raise ValueError(f"unknown GPTQ grid {gptq_grid!r}; choose {' or '.join(GPTQ_GRIDS)}")

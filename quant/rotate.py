@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..errors import UnsupportedModelError
 from ..models.families import layer_tensor_names
 from ..source import LazyTensors, ModelSource
 
@@ -65,12 +66,13 @@ def rotate_source(source: ModelSource, seed: int = 0) -> ModelSource:
         a ModelSource over the rotated tensors (lazy), ``tie_word_embeddings`` false.
 
     Raises:
-        ValueError: an architecture :func:`rotation_refusal` refuses (the reason named).
+        UnsupportedModelError: an architecture :func:`rotation_refusal` refuses (the reason
+            and the fix named).
     """
     cfg = source.config
     why = rotation_refusal(cfg)
     if why is not None:
-        raise ValueError(f"{source.path}: cannot rotate a {cfg.model_type} model: {why}; "
+        raise UnsupportedModelError(f"{source.path}: cannot rotate a {cfg.model_type} model: {why}; "
                          f"convert it without rotation (--no-rotate)")
     D, hd = cfg.hidden_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads

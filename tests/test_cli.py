@@ -381,3 +381,10 @@ def test_convert_gptq_rotation_and_grid_flags(stories_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     prov = describe_eif(out)["provenance"]
     assert prov["rotation"]["residual"] == "random orthogonal" and prov["gptq_grid"] == "mse"
+    r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "v.eif"), "--method", "gptq",
+                "--group-size", "32", "--calib", str(text), "--n-calib", "2")
+    assert r.returncode == 0 and "(gptq, group 32, rotated, mse grid)" in r.stdout, r.stdout
+    for flags in (("--rotate",), ("--gptq-grid", "minmax"), ("--method", "awq", "--rotate")):
+        r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "w.eif"), *flags)
+        assert r.returncode == 2 and "apply to --method gptq only" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "w.eif").exists()

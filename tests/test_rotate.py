@@ -10,6 +10,7 @@ import pytest
 
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.container import describe_eif, read_eif
+from edgeinfer.errors import UnsupportedModelError
 from edgeinfer.models.config import ModelConfig
 from edgeinfer.models.arch import tensor_specs
 from edgeinfer.models.transformer import Transformer
@@ -87,10 +88,12 @@ def test_rotation_refusals_name_the_reason(tmp_path):
         "head_dim": 8})
     assert "(1 + w)" in rotation_refusal(gemma)
     src = tiny()
-    with pytest.raises(ValueError, match="cannot rotate a gemma3_text model: its RMSNorm"):
+    with pytest.raises(UnsupportedModelError,
+                       match="cannot rotate a gemma3_text model: its RMSNorm.*--no-rotate"):
         rotate_source(ModelSource("g", "hf", gemma, {}, {}, TOKENIZER))
-    with pytest.raises(ValueError, match="rotate is for --method gptq"):
-        convert(src, str(tmp_path / "x.eif"), method="rtn", rotate=True, progress=False)
+    for opt in ({"rotate": True}, {"gptq_grid": "minmax"}):
+        with pytest.raises(ValueError, match="apply to method 'gptq' only.*not 'rtn'"):
+            convert(src, str(tmp_path / "x.eif"), method="rtn", progress=False, **opt)
     with pytest.raises(ValueError, match="unknown GPTQ grid 'best'"):
         convert(src, str(tmp_path / "x.eif"), method="gptq", gptq_grid="best", progress=False)
     assert not (tmp_path / "x.eif").exists()
