@@ -14,7 +14,8 @@ the linear+embedding tensors, file size, convert time and the converter's peak R
 KL(baseline || row) and top-1 agreement with the baseline per scored position (llama.cpp's
 ``--kl-divergence`` figures; the baseline's log-probabilities are kept as float16 in
 ``OUT/MODEL.base-logprobs.CHUNKS.npy``, so ``--skip-baseline`` and ``--llama`` runs reuse
-them). Each conversion runs in its own subprocess so its peak RSS is its own. Calibration: WikiText-2
+them). Each conversion runs in its own subprocess so its peak RSS is its own. GPTQ rows use
+``convert``'s defaults (rotated where the architecture allows, the searched grid). Calibration: WikiText-2
 ``valid.txt``; evaluation: ``test.txt``. Anchors (MODELS.md): baseline 18.979, llama.cpp
 Q4_0 +18.3% at 4.5 bpw.
 
