@@ -72,8 +72,8 @@ def rotate_source(source: ModelSource, seed: int = 0) -> ModelSource:
     cfg = source.config
     why = rotation_refusal(cfg)
     if why is not None:
-        raise UnsupportedModelError(f"{source.path}: cannot rotate a {cfg.model_type} model: {why}; "
-                         f"convert it without rotation (--no-rotate)")
+        raise UnsupportedModelError(f"{source.path}: cannot rotate a {cfg.model_type} model: "
+                                    f"{why}; convert it without rotation (--no-rotate)")
     D, hd = cfg.hidden_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     Q = random_orthogonal(D, seed).astype(np.float32)
