@@ -302,6 +302,9 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     imp[:n_in] = np.diag(H)
     imp = imp.reshape(n_groups, g)
     params = functools.partial(_group_params, bits=bits, symmetric=symmetric, grid=grid)
+    # rows per worker when the rows are split over the pool (None: one call, this thread)
+    split = None if pool is None or pool.threads < 2 or out < 2 * pool.threads else \
+        -(-out // pool.threads)
 
     # group parameters, transposed [n_groups, out]: storage-rounded values (exact in float32)
     S = np.zeros((n_groups, out), np.float32)
@@ -311,16 +314,15 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         Wp = np.zeros((out, in_pad))
         Wp[:, :n_in] = W
         W3 = Wp.reshape(out, n_groups, g)
-        if grid == "minmax" or pool is None or pool.threads < 2 or out < 2 * pool.threads:
+        if grid == "minmax" or split is None:
             s, z = params(W3, imp)
         else:  # the search is rows apart: one slice per worker
             s, z = np.empty((out, n_groups)), np.empty((out, n_groups))
-            step = -(-out // pool.threads)
 
             def search(o0):
-                s[o0:o0 + step], z[o0:o0 + step] = params(W3[o0:o0 + step], imp)
+                s[o0:o0 + split], z[o0:o0 + split] = params(W3[o0:o0 + split], imp)
 
-            pool.run(search, range(0, out, step))
+            pool.run(search, range(0, out, split))
         S[:], Z[:] = s.T, z.T
         perm = np.argsort(-np.diag(H), kind="stable")
     else:
@@ -330,7 +332,7 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
     Qt = np.empty((n_in, out), np.float32)  # codes, permuted order
     loop = functools.partial(_column_loop, perm=perm, g=g, act_order=act_order,
                              params=params, imp=imp)
-    if pool is None or pool.threads < 2 or out < 2 * pool.threads:
+    if split is None:
         Rt = hessian_factor(H, perm, percdamp)
         del H
         loop(W0, Rt, S, Z, Qt)
@@ -339,16 +341,15 @@ def gptq_quantize(w: np.ndarray, H: np.ndarray, bits: int = 4, group_size: int =
         pool.run(lambda _: box.append(hessian_factor(H, perm, percdamp)), [0])
         Rt = box[0]
         del H
-        step = -(-out // pool.threads)
 
         def part(o0):
-            sl = slice(o0, min(o0 + step, out))
+            sl = slice(o0, min(o0 + split, out))
             s_, z_ = np.ascontiguousarray(S[:, sl]), np.ascontiguousarray(Z[:, sl])
             q_ = np.empty((n_in, s_.shape[1]), np.float32)
             loop(np.ascontiguousarray(W0[:, sl]), Rt, s_, z_, q_)
             S[:, sl], Z[:, sl], Qt[:, sl] = s_, z_, q_
 
-        pool.run(part, range(0, out, step))
+        pool.run(part, range(0, out, split))
 
     S64, Z64 = S.T.astype(np.float64), Z.T.astype(np.float64)
     scales = storage_scales(S64, name)  # S holds storage-rounded values: exact

@@ -68,8 +68,8 @@ def _candidates(wg: np.ndarray, symmetric: bool, deltas) -> tuple[np.ndarray, np
     hi = np.maximum(wg.max(axis=-1), 0.0)
     S = np.empty((len(wg), 1 + len(deltas)), np.float32)
     Z = np.empty_like(S)
-    S[:, 0], Z[:, 0] = (v.astype(np.float32) for v in group_params(wg.astype(np.float64), 4, symmetric))
-    amax = np.maximum(-lo / 8.0, hi / 7.0)
+    S[:, 0], Z[:, 0] = group_params(wg.astype(np.float64), 4, symmetric)  # exact in float32
+    amax = np.maximum(-lo / 8.0, hi / 7.0)  # the largest magnitude on its sign's edge code
     for c, d in enumerate(deltas, 1):
         if symmetric:
             S[:, c] = _fp16_up(amax * np.float32(15.0 / (15.0 + d)))
@@ -155,24 +155,13 @@ def search_group_params_reference(wg: np.ndarray, a: np.ndarray | None, symmetri
     Returns:
         ``(s, z, q)``: float32 scales (fp16 values), zero points and codes (``wg.shape``).
     """
-    lo = np.minimum(wg.min(axis=-1), 0.0)
-    hi = np.maximum(wg.max(axis=-1), 0.0)
-    if symmetric:
-        # the largest magnitude on the edge code of its sign: -8 s (negative) or 7 s
-        amax = np.maximum(-lo / 8.0, hi / 7.0)
-    best_e = np.full(wg.shape[:-1], np.inf, np.float32)
-    best_s = np.zeros(wg.shape[:-1], np.float32)
-    best_z = np.zeros(wg.shape[:-1], np.float32)
-    zsym = np.full(wg.shape[:-1], np.float32(SYMMETRIC_ZERO_4BIT))
-    for d in (None, *deltas):
-        if d is None:  # RTN's own grid first: the result is never worse than RTN's
-            s, z = (v.astype(np.float32) for v in group_params(wg.astype(np.float64), 4, symmetric))
-        elif symmetric:
-            s = _fp16_up(amax * np.float32(15.0 / (15.0 + d)))
-            z = zsym
-        else:
-            s = _fp16_up((hi - lo) / np.float32(15.0 + d))
-            z = np.clip(np.rint(-lo / s), 0.0, 15.0)
+    shape, g = wg.shape[:-1], wg.shape[-1]
+    S, Z = (c.reshape(*shape, -1) for c in _candidates(wg.reshape(-1, g), symmetric, deltas))
+    best_e = np.full(shape, np.inf, np.float32)
+    best_s = np.zeros(shape, np.float32)
+    best_z = np.zeros(shape, np.float32)
+    for c in range(S.shape[-1]):  # RTN's own grid first: never worse than RTN's
+        s, z = S[..., c], Z[..., c]
         q = _codes(wg, s, z)
         # weighted least-squares scale for these codes, then re-rounded
         qz = q - z[..., None]
