@@ -105,11 +105,9 @@ def rotate_source(source: ModelSource, seed: int = 0) -> ModelSource:
             return np.ascontiguousarray(w)
         return load
 
-    def values(name, norm):
-        def load():
-            w = ((f32(name) * f32(norm)[None, :]) @ Q).reshape(nkv, hd, D)
-            return np.ascontiguousarray((R @ w).reshape(nkv * hd, D))
-        return load
+    def values(name, norm):  # v_proj: read as the others, then each KV head's rows by R
+        read = reads(name, norm)
+        return lambda: np.ascontiguousarray((R @ read().reshape(nkv, hd, D)).reshape(nkv * hd, D))
 
     def value_bias(name):
         return lambda: np.ascontiguousarray((f32(name).reshape(nkv, hd) @ R.T).reshape(-1))
