@@ -180,11 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --force; never the input")
     s.add_argument("--force", "-f", action="store_true",
                    help="replace an existing --output file")
-    s.add_argument("--method", choices=["signmax", "grid", "rtn", "awq", "gptq", "mse"],
+    s.add_argument("--method", choices=["signmax", "grid", "rtn", "awq", "gptq", "gptaq", "mse"],
                    default=None,
                    help="default: signmax (data-free, seconds; symmetric groups of 32, each "
                         "group's largest weight exact) without --calib, awq with it; grid: "
-                        "searched scales; rtn: the plain round-to-nearest baseline")
+                        "searched scales; rtn: the plain round-to-nearest baseline; gptaq: "
+                        "GPTQ fitting each layer to the float model's outputs (best quality, "
+                        "about twice GPTQ's time)")
     s.add_argument("--bits", type=int, default=4)
     s.add_argument("--group-size", type=int, default=None,
                    help="default: the method's (signmax, grid 32, others 128); -1 = "

@@ -88,9 +88,14 @@ def cmd_convert(args) -> int:
         args.method = "awq" if args.calib else "signmax"
     gptq_only = [f for f, v in (("--rotate", args.rotate or None),
                                 ("--gptq-grid", args.gptq_grid)) if v is not None]
-    if args.method != "gptq" and gptq_only:
-        print(f"error: {' and '.join(gptq_only)} apply to --method gptq only; use --method "
-              f"gptq, or drop {' and '.join(gptq_only)}", file=sys.stderr)
+    if args.method not in ("gptq", "gptaq") and gptq_only:
+        print(f"error: {' and '.join(gptq_only)} apply to --method gptq or gptaq only; use "
+              f"--method gptq, or drop {' and '.join(gptq_only)}", file=sys.stderr)
+        return 2
+    if args.method == "gptaq" and not args.true_sequential:
+        print("error: --method gptaq needs --true-sequential (the float and quantized inputs "
+              "of each linear, row for row); drop --no-true-sequential, or use --method gptq",
+              file=sys.stderr)
         return 2
     name, variant = (parse_ref(args.model) if not os.path.exists(args.model)
                      else (args.model, None))
@@ -133,7 +138,7 @@ def cmd_convert(args) -> int:
             g = (f"{g}, {other} where {asked} does not divide the row" if asked in groups
                  else f"{other} ({asked} divides no row)")
         prov = d["provenance"]
-        if args.method == "gptq":  # what the file's GPTQ was run on (also in `info --json`)
+        if args.method in ("gptq", "gptaq"):  # what its GPTQ ran on (also in `info --json`)
             g += (", rotated" if prov.get("rotation") else ", not rotated") + \
                 f", {prov.get('gptq_grid')} grid"
         lin = [v for k, v in d["bits_per_weight_by_kind"].items() if k in ("attention", "mlp")]

@@ -247,7 +247,7 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
                     group_size: int = 128, symmetric: bool = False, act_order: bool = False,
                     n_search: int = 2048, on_layer: Callable[[int], None] | None = None,
                     true_sequential: bool = True,
-                    gptq_grid: str = "minmax") -> tuple[dict[str, Any], dict]:
+                    gptq_grid: str = "minmax", gptaq: bool = False) -> tuple[dict[str, Any], dict]:
     """Quantize every decoder layer of ``source`` (module docstring: sequential driver).
 
     Args:
@@ -265,28 +265,34 @@ def quantize_layers(source: ModelSource, ids: np.ndarray | None, method: str, *,
             every Hessian from the float layer (a capture forward, then the quantized
             layer's forward).
         gptq_grid: GPTQ's group-parameter rule (:data:`.gptq.GRIDS`).
+        gptaq: true-sequential GPTQ on the float model's layer outputs as targets
+            (:func:`.gptq_sequential.asymmetric_target`; a float forward beside the
+            quantized one).
 
     Returns:
         ``(canonical name -> QuantizedTensor / float32 array, info)``; ``info["awq_alpha"]``
         records AWQ's chosen α per layer and group.
 
     Raises:
-        ModelFormatError: a non-finite weight (naming it). ValueError: unknown method.
+        ModelFormatError: a non-finite weight (naming it). ValueError: unknown method;
+        ``gptaq`` without true-sequential GPTQ.
     """
     if method not in ("rtn", "grid", "signmax", "awq", "gptq", "mse"):
         raise ValueError(f"unknown method {method!r}; choose rtn, grid, signmax, awq, gptq or mse")
+    if gptaq and not (method == "gptq" and true_sequential):
+        raise ValueError("gptaq needs true-sequential GPTQ (method 'gptq', true_sequential=True)")
     pool = None if method in DATA_FREE else _solver_pool()
     try:
         return _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order,
-                                n_search, on_layer, pool, true_sequential, gptq_grid)
+                                n_search, on_layer, pool, true_sequential, gptq_grid, gptaq)
     finally:
         if pool is not None:
             pool.close()
 
 
 def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order, n_search,
-                     on_layer, pool, true_sequential, gptq_grid):
-    from .gptq_sequential import SequentialGPTQBackend, gptq_layer
+                     on_layer, pool, true_sequential, gptq_grid, gptaq):
+    from .gptq_sequential import ASYM_SEQUENCES, SequentialGPTQBackend, gptq_layer
 
     cfg = source.config
     out: dict[str, Any] = {}
@@ -304,6 +310,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
         emb = check_finite("model.embed_tokens.weight", source.tensors["model.embed_tokens.weight"])
         x = emb[ids] * np.float32(cfg.embed_scale)  # [N, L, D]
         del emb
+        x_float = x[:ASYM_SEQUENCES].copy() if gptaq else None  # the float model's (GPTAQ)
         L = ids.shape[1]
         ropes = {}
 
@@ -327,7 +334,7 @@ def _quantize_layers(source, ids, method, bits, group_size, symmetric, act_order
             q = {k: (fn(v, effective_group(v.shape[1], group_size), symmetric, name=names[k])
                      if k in LINEAR_KEYS else v) for k, v in lw.items()}
         elif method == "gptq" and true_sequential:  # one forward, quantizing as it goes
-            x, q = gptq_layer(seq_be, cfg, lw, i, x, rope_of(i))
+            x, q, x_float = gptq_layer(seq_be, cfg, lw, i, x, rope_of(i), x_float)
         else:
             rope = rope_of(i)
             n_tok = ids.size

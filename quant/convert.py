@@ -36,6 +36,7 @@ from ..safe_write import check_output
 from ..source import ModelSource
 from .calibrate import calibration_ids, check_finite, quantize_layers, random_ids
 from .gptq import GRIDS as GPTQ_GRIDS
+from .gptq_sequential import ASYM_ALPHA, ASYM_DAMP, ASYM_SEQUENCES
 from .grid import GROUP_SIZE as GRID_GROUP, SYMMETRIC as GRID_SYMMETRIC
 from .signmax import GROUP_SIZE as SIGNMAX_GROUP
 from .rotate import rotate_source, rotation_refusal
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
 #: uses Q4_0's layout, symmetric groups of 32 with an fp16 scale (4.5 bits per weight)
 METHOD_LAYOUT = {"signmax": (SIGNMAX_GROUP, True), "grid": (GRID_GROUP, GRID_SYMMETRIC),
                  "rtn": (128, False),
-                 "awq": (128, False), "gptq": (128, False), "mse": (128, False)}
+                 "awq": (128, False), "gptq": (128, False), "gptaq": (128, False),
+                 "mse": (128, False)}
 
 
 def _sha256(path: str) -> str | None:
@@ -137,8 +139,11 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             checkpoint's own groups and zero points are kept).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
-        method: "awq" (default), "gptq", "signmax" (:mod:`.signmax`: the weights alone,
-            no calibration, seconds; each group's largest weight exact), "grid"
+        method: "awq" (default), "gptq", "gptaq" (GPTQ fitting each layer to the float
+            model's outputs: asymmetric calibration, :mod:`.gptq_sequential`; a float
+            forward beside the quantized one, about twice GPTQ's time), "signmax"
+            (:mod:`.signmax`: the weights alone, no calibration, seconds; each group's
+            largest weight exact), "grid"
             (:mod:`.grid`: a searched scale, no calibration), "rtn" (no calibration) or
             "mse" (:mod:`.mse`; without ``calib_path`` its input scales come from random
             token ids, no data).
@@ -162,7 +167,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         true_sequential: GPTQ's Hessians from the inputs with the layer's earlier linears
             quantized, one forward per layer (:mod:`.gptq_sequential`); False: from the
             float layer.
-        rotate: GPTQ on the model with its residual stream and value heads rotated
+        rotate: GPTQ (and GPTAQ) on the model with its residual stream and value heads rotated
             (:mod:`.rotate`; the head becomes its own INT8 table when it was tied); None:
             for GPTQ wherever the architecture allows it.
         gptq_grid: GPTQ's group-parameter rule (:data:`.gptq.GRIDS`); None: "mse".
@@ -175,7 +180,8 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     Raises:
         ModelFormatError: unreadable source, non-finite weights (the tensor is named), an
             untied model without ``lm_head.weight``.
-        ValueError: bad options (``rotate`` or ``gptq_grid`` with another method than GPTQ).
+        ValueError: bad options (``rotate`` or ``gptq_grid`` with another method than GPTQ
+            or GPTAQ; GPTAQ without ``true_sequential``).
         UnsupportedModelError: ``rotate`` on an architecture that cannot be rotated (the
             reason named).
         OutputError: ``out_path`` exists (without ``overwrite``), is the source (a GGUF,
@@ -197,10 +203,15 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     if method == "signmax" and not symmetric:
         raise ValueError("signmax is symmetric only (zero point 8): drop --no-symmetric, or "
                          "choose grid or rtn for asymmetric groups")
+    asked, gptaq = method, method == "gptaq"
+    method = "gptq" if gptaq else method  # GPTAQ is GPTQ on other targets
     if method != "gptq" and (rotate or gptq_grid is not None):
-        raise ValueError(f"rotate and gptq_grid apply to method 'gptq' only (the rotation pays "
-                         f"through GPTQ's error compensation), not {method!r}; use method='gptq', "
-                         f"or drop them")
+        raise ValueError(f"rotate and gptq_grid apply to methods 'gptq' and 'gptaq' only (the "
+                         f"rotation pays through GPTQ's error compensation), not {method!r}; use "
+                         f"method='gptq', or drop them")
+    if gptaq and not true_sequential:
+        raise ValueError("gptaq needs true_sequential (the float and quantized inputs of each "
+                         "linear, row for row); drop true_sequential=False, or use 'gptq'")
     gptq_grid = "mse" if gptq_grid is None else gptq_grid
     if gptq_grid not in GPTQ_GRIDS:
         raise ValueError(f"unknown GPTQ grid {gptq_grid!r}; choose {' or '.join(GPTQ_GRIDS)}")
@@ -228,14 +239,14 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.num_hidden_layers, desc=f"{method} layers", unit="layer",
+        bar = tqdm(total=cfg.num_hidden_layers, desc=f"{asked} layers", unit="layer",
                    file=sys.stderr)
     try:
         with small_pages():
             tensors, info = quantize_layers(
                 source, ids, method, bits=bits, group_size=group_size, symmetric=symmetric,
                 act_order=act_order, n_search=n_search, true_sequential=true_sequential,
-                gptq_grid=gptq_grid,
+                gptq_grid=gptq_grid, gptaq=gptaq,
                 on_layer=(lambda i: bar.update(1)) if bar else None)
     finally:
         if bar:
@@ -259,11 +270,13 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
     provenance = {
         "source": src_path, "source_format": source.format,
         "source_sha256": _sha256(src_path) if os.path.exists(src_path) else None,
-        "method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric,
+        "method": asked, "bits": bits, "group_size": group_size, "symmetric": symmetric,
         "group_rule": "requested size, else the largest multiple of 32 below it dividing "
                       "in_features, else zero-padded; per tensor in 'quantization'",
         "embed_bits": embed_bits, "act_order": act_order, "seed": seed,
         **({"true_sequential": true_sequential, "gptq_grid": gptq_grid,
+            "gptaq": ({"alpha": ASYM_ALPHA, "ridge": ASYM_DAMP,
+                       "float_sequences": min(ASYM_SEQUENCES, len(ids))} if gptaq else None),
             "rotation": ({"residual": "random orthogonal", "value_heads": "random orthogonal",
                           "seed": seed, "norms": "folded into the linears"} if rotate
                          else None)} if method == "gptq" else {}),
@@ -280,7 +293,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
                    for t in tensors.values())
     n_bytes = sum(t.nbytes for t in tensors.values())  # tensors only (no tokenizer/metadata)
     return {
-        "out_path": str(out_path), "method": method, "bits": bits, "group_size": group_size,
+        "out_path": str(out_path), "method": asked, "bits": bits, "group_size": group_size,
         "file_size": size, "bits_per_weight": round(8.0 * n_bytes / n_params, 4),
         "convert_seconds": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
         "calibration": calib_desc, "awq_alpha": info.get("awq_alpha") or None,

@@ -9,6 +9,15 @@ output; here it is one forward over all calibration tokens: :class:`SequentialGP
 quantizes a linear (group) the first time the block calls it, from that call's whole
 input, and computes the call with the quantized weights. The forward's output (the
 quantized layer's) is the next layer's input, as in :func:`.calibrate.quantize_layers`.
+
+Asymmetric calibration (GPTAQ, Li et al., ICML 2025, "GPTQv2"): with the float model's
+inputs ``X`` of each linear beside the quantized model's ``X̃``, the objective is
+``‖W Xᵀ − Ŵ X̃ᵀ‖²`` (match the float layer's output, absorbing the error of the layers
+before) instead of ``‖(W − Ŵ) X̃ᵀ‖²``. Its minimiser over unconstrained ``Ŵ`` is
+``W + W ΔXᵀ X̃ (X̃ᵀX̃)⁻¹`` (``ΔX = X − X̃``), and the objective equals GPTQ's on that target
+plus a constant, so GPTQ runs unchanged on :func:`asymmetric_target` (a step of
+``alpha`` toward it, ridge-regularized toward ``W``; GPTAQ scales the same term by its
+``alpha``).
 """
 from __future__ import annotations
 
@@ -27,6 +36,14 @@ from .gptq import Hessian
 
 #: Rows per float32 ``xᵀx`` product of the Hessians (summed in float64).
 HESSIAN_ROWS = 4096
+
+#: GPTAQ's step toward the least-squares target and its ridge (× mean diag H), chosen on
+#: SmolLM2 (``benchmarks/MEASUREMENTS.md``: 32 × 512 calibration tokens overfit a full step).
+ASYM_ALPHA = 0.5
+ASYM_DAMP = 0.1
+#: Calibration sequences carried through the float model for GPTAQ's cross term (the
+#: first ones; the Hessians keep all): the float forward is a second forward per layer.
+ASYM_SEQUENCES = 32
 
 #: ``solve(key, w [out, in] float32, H [in, in] float64) -> QuantizedTensor``; ``key`` is
 #: the :data:`CAPTURE_GROUPS` key, ``w`` its members' rows stacked in that order.
@@ -57,6 +74,9 @@ class SequentialGPTQBackend(CalibrationBackend):
         super().__init__(pool=pool)
         self.solve = solve
         self.quantized: dict[str, QuantizedTensor] = {}
+        #: the float model's input of each group in this layer (:func:`float_layer`), or
+        #: None: plain GPTQ targets.
+        self.float_inputs: dict[str, np.ndarray] | None = None
 
     def group_linears(self, ws, biases):
         if isinstance(ws[0], _Float):
@@ -72,8 +92,12 @@ class SequentialGPTQBackend(CalibrationBackend):
         h = Hessian(x.shape[-1], batch_rows=HESSIAN_ROWS, pool=self.pool)
         h.add(x)
         w = members[0].w if len(members) == 1 else np.concatenate([m.w for m in members])
-        qt = self.solve(key, w, h.H)
+        H = h.H
         del h
+        if self.float_inputs is not None:
+            xf = self.float_inputs.pop(key)  # the first sequences' rows
+            w = asymmetric_target(w, x[:len(xf)], xf, H)
+        qt = self.solve(key, w, H)
         self.quantized[key] = qt
         return qt.dequantize()
 
@@ -98,15 +122,73 @@ class SequentialGPTQBackend(CalibrationBackend):
         return super().linear(x, w, bias)
 
 
-def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
-               rope) -> tuple[np.ndarray, dict]:
-    """Quantize layer ``i`` in one pass over the calibration sequences ``x [N, L, D]``
-    (float32; ``tensors_short`` its float tensors by short name).
+def asymmetric_target(w: np.ndarray, xq: np.ndarray, xf: np.ndarray, H: np.ndarray,
+                      alpha: float = ASYM_ALPHA, damp: float = ASYM_DAMP) -> np.ndarray:
+    """GPTAQ's target for GPTQ: ``W + alpha · G (H + λI)⁻¹`` with
+    ``G = (2/n) W ΔXᵀ X̃``, ``ΔX = xf − xq``, ``H = (2/N) X̃ᵀX̃`` and ``λ = damp · mean(diag H)``
+    (the least-squares ``argmin ‖xf Wᵀ − xq Ŵᵀ‖² + λ' ‖Ŵ − W‖²`` at ``alpha`` 1 when
+    ``H`` is of the same rows).
+
+    Args:
+        w: float32 ``[out, in]``; xq, xf: float32 ``[n, in]`` (the quantized and the float
+            model's inputs, row for row); H: float64 ``[in, in]`` of ``xq`` (or of ``N ≥ n``
+            rows of which ``xq`` is a sample).
 
     Returns:
-        ``(y [N, L, D], q)``: the quantized layer's output, and ``tensors_short`` with
-        every linear replaced by its QuantizedTensor.
+        float32 ``[out, in]``.
     """
+    from .gptq import _cholesky_with_inverse
+
+    n, d_in = xq.shape
+    out = w.shape[0]
+    direct = 2 * out <= d_in  # (ΔX Wᵀ)ᵀ X̃: 2·n·in·out flops; else W (ΔXᵀ X̃): n·in² + out·in²
+    acc = np.zeros((out, d_in) if direct else (d_in, d_in))
+    for r in range(0, n, HESSIAN_ROWS):  # float32 products summed in float64, as the Hessian
+        a = np.asarray(xq[r:r + HESSIAN_ROWS], np.float32)
+        dx = np.asarray(xf[r:r + HESSIAN_ROWS], np.float32) - a
+        acc += (dx @ w.T).T @ a if direct else dx.T @ a
+    G = (acc if direct else w.astype(np.float64) @ acc) * (2.0 / n)
+    lam = damp * float(np.mean(np.diag(H)))
+    A = np.asarray(H, np.float32).copy()
+    A[np.diag_indices(d_in)] += np.float32(lam if lam > 0 else 1e-8)
+    _, Li = _cholesky_with_inverse(A)  # (H + λI)⁻¹ = L⁻ᵀ L⁻¹
+    Z = (G.astype(np.float32) @ Li.T) @ Li
+    return (w + np.float32(alpha) * Z).astype(np.float32)
+
+
+def float_layer(be: CalibrationBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
+                rope) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The float layer ``i`` on ``x [N, L, D]``: its output ``[N, L, D]`` and the input of
+    each :data:`CAPTURE_GROUPS` key (float32 ``[N·L, in]``, copies)."""
+    n, L, D = x.shape
+    lw = {k: (be.upload_weight(np.asarray(v, np.float32)) if k in LINEAR_KEYS else be.upload(v))
+          for k, v in tensors_short.items()}
+    cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)  # never written
+    pos = np.tile(np.arange(L, dtype=np.int32), n)
+    cap: dict = {}
+    be.seq_len = L
+    try:
+        y = decoder_layer(be, cfg, lw, x.reshape(-1, D), pos, rope, cache, 0, i, capture=cap)
+    finally:
+        be.seq_len = None
+    inputs = {k: np.array(v, np.float32).reshape(n * L, -1) for k, v in cap.items()}
+    return np.asarray(y, np.float32).reshape(n, L, D), inputs
+
+
+def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
+               rope, x_float: np.ndarray | None = None) -> tuple[np.ndarray, dict, np.ndarray | None]:
+    """Quantize layer ``i`` in one pass over the calibration sequences ``x [N, L, D]``
+    (float32; ``tensors_short`` its float tensors by short name); with ``x_float`` (the
+    float model's input to the layer), on GPTAQ's targets (:func:`asymmetric_target`).
+
+    Returns:
+        ``(y [N, L, D], q, y_float)``: the quantized layer's output, ``tensors_short`` with
+        every linear replaced by its QuantizedTensor, and the float layer's output (None
+        without ``x_float``).
+    """
+    y_float = None
+    if x_float is not None:
+        y_float, be.float_inputs = float_layer(be, cfg, tensors_short, i, x_float, rope)
     n, L, D = x.shape
     lw = {k: (_Float(k, np.ascontiguousarray(v, np.float32)) if k in LINEAR_KEYS
               else be.upload(v)) for k, v in tensors_short.items()}
@@ -118,8 +200,9 @@ def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: n
         y = decoder_layer(be, cfg, lw, x.reshape(-1, D), pos, rope, cache, 0, i)
     finally:
         be.seq_len = None
+        be.float_inputs = None
     q = dict(tensors_short)
     for key, members in CAPTURE_GROUPS.items():
         parts = split_rows(be.quantized[key], [tensors_short[m].shape[0] for m in members])
         q.update(zip(members, parts))
-    return np.asarray(y, np.float32).reshape(n, L, D), q
+    return np.asarray(y, np.float32).reshape(n, L, D), q, y_float

@@ -386,5 +386,32 @@ def test_convert_gptq_rotation_and_grid_flags(stories_dir, tmp_path):
     assert r.returncode == 0 and "(gptq, group 32, rotated, mse grid)" in r.stdout, r.stdout
     for flags in (("--rotate",), ("--gptq-grid", "minmax"), ("--method", "awq", "--rotate")):
         r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "w.eif"), *flags)
-        assert r.returncode == 2 and "apply to --method gptq only" in r.stderr, r.stderr
+        assert r.returncode == 2 and "apply to --method gptq or gptaq only" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "w.eif").exists()
+
+
+def test_convert_gptaq_method(stories_dir, tmp_path):
+    """`--method gptaq` writes a GPTQ file fitted to the float model (recorded, and said in
+    the summary line) that differs from plain GPTQ's; it refuses --no-true-sequential."""
+    from edgeinfer.container import describe_eif, read_eif
+
+    text = tmp_path / "c.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She liked to play. " * 40)
+    common = ("--group-size", "32", "--calib", str(text), "--n-calib", "2", "--no-rotate")
+    outs = {}
+    for m in ("gptq", "gptaq"):
+        outs[m] = tmp_path / f"{m}.eif"
+        r = run_cli("convert", str(stories_dir), "-o", str(outs[m]), "--method", m, *common)
+        assert r.returncode == 0, r.stderr
+        assert f"({m}, group 32, not rotated, mse grid)" in r.stdout, r.stdout
+    prov = describe_eif(outs["gptaq"])["provenance"]
+    assert prov["method"] == "gptaq" and prov["gptaq"]["alpha"] == 0.5
+    assert prov["gptaq"]["float_sequences"] == 2
+    assert describe_eif(outs["gptq"])["provenance"]["gptaq"] is None
+    a, b = (read_eif(str(outs[m])).tensors["model.layers.1.mlp.down_proj.weight"].codes()
+            for m in ("gptq", "gptaq"))
+    assert (a != b).mean() > 0.01
+    r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "w.eif"), "--method", "gptaq",
+                "--no-true-sequential", *common)
+    assert r.returncode == 2 and "--method gptaq needs --true-sequential" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "w.eif").exists()

@@ -119,7 +119,8 @@ def test_true_sequential_layer_is_its_definition(stories_dir, pool, act_order):
                              act_order=act_order, name=names[key], pool=pool)
 
     be = SequentialGPTQBackend(solve, pool=pool)
-    y, q = gptq_layer(be, cfg, lw, i, x, rope)
+    y, q, y_float = gptq_layer(be, cfg, lw, i, x, rope)
+    assert y_float is None
     assert all(type(q[k]).__name__ == "QuantizedTensor" for k in LINEAR_KEYS)
 
     pos = np.tile(np.arange(L, dtype=np.int32), n)
