@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="default: signmax (data-free, seconds; symmetric groups of 32, each "
                         "group's largest weight exact) without --calib, awq with it; grid: "
-                        "searched scales; rtn: the plain round-to-nearest baseline; gptaq: "
+                        "searched scales; rtn: the plain round-to-nearest baseline; mse: the clip "
+                        "minimising the error weighted by mean x² per input; gptaq: "
                         "GPTQ fitting each layer to the float model's outputs (best quality, "
                         "about twice GPTQ's time)")
     s.add_argument("--bits", type=int, default=4)
@@ -202,19 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calib", default=None, help="plain-text calibration file (default: self-generated)")
     s.add_argument("--n-calib", type=int, default=None, help="calibration sequences")
     s.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                   help="GPTQ: quantize columns in order of activation size (default on; "
+                   help="GPTQ, GPTAQ: quantize columns in order of activation size (default on; "
                         "no run-time cost: the order is undone at convert time)")
     s.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: one forward per layer, each linear's Hessian from its inputs "
                         "with the layer's earlier linears quantized (default on; off: every "
-                        "Hessian from the float layer, two forwards per layer, slower)")
+                        "Hessian from the float layer, two forwards per layer, slower; gptaq "
+                        "needs it on)")
     s.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ: rotate the residual stream and value heads first (same "
+                   help="GPTQ, GPTAQ: rotate the residual stream and value heads first (same "
                         "function, fewer outliers per group; a tied head is stored apart). "
-                        "Default on for gptq where the architecture allows it (not Gemma)")
+                        "Default on for gptq and gptaq where the architecture allows it "
+                        "(not Gemma)")
     s.add_argument("--gptq-grid", choices=["mse", "minmax"], default=None,
-                   help="GPTQ's group scales and zero points: mse (default: the clip "
-                        "minimising the diag(H)-weighted error) or minmax (the group's range)")
+                   help="GPTQ's (and GPTAQ's) group scales and zero points: mse (default: the "
+                        "clip minimising the diag(H)-weighted error) or minmax (the group's "
+                        "range)")
     s.add_argument("--seed", type=int, default=0,
                    help="calibration windows and the rotation's draw")
     s.add_argument("--quiet", "-q", action="store_true")

@@ -89,7 +89,8 @@ def cmd_convert(args) -> int:
     gptq_only = [f for f, v in (("--rotate", args.rotate or None),
                                 ("--gptq-grid", args.gptq_grid)) if v is not None]
     if args.method not in ("gptq", "gptaq") and gptq_only:
-        print(f"error: {' and '.join(gptq_only)} apply to --method gptq or gptaq only; use "
+        verb = "apply" if len(gptq_only) > 1 else "applies"
+        print(f"error: {' and '.join(gptq_only)} {verb} to --method gptq or gptaq only; use "
               f"--method gptq, or drop {' and '.join(gptq_only)}", file=sys.stderr)
         return 2
     if args.method == "gptaq" and not args.true_sequential:

@@ -484,7 +484,8 @@ def _resolve_variant(text: str, converter, progress: bool, notify) -> Path:
     if path.exists():
         return path
     hint = (f"; make it with `edgeinfer convert {name} --method {variant}`"
-            if name in CATALOG and variant in ("signmax", "grid", "rtn", "awq", "gptq", "gptaq") else "")
+            if name in CATALOG and variant in ("signmax", "grid", "rtn", "awq", "gptq", "gptaq")
+            else "")
     raise CatalogError(f"{text}: no such model in the cache ({path} is missing){hint}; "
                        f"`edgeinfer list` shows what is there")
 

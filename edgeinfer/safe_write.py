@@ -449,6 +449,10 @@ def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False,
                 um = os.umask(0)
                 os.umask(um)
                 os.chmod(tmp, 0o777 & ~um)  # mkdtemp makes 0700
+                for name in os.listdir(tmp):  # some writers make 0600 files (safetensors)
+                    p = os.path.join(tmp, name)
+                    if os.path.isfile(p) and not os.path.islink(p):
+                        os.chmod(p, 0o666 & ~um)
                 if check():  # it may have changed meanwhile
                     old = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", suffix=TEMP_SUFFIX,
                                            dir=target.parent)

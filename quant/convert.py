@@ -167,9 +167,9 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
         true_sequential: GPTQ's Hessians from the inputs with the layer's earlier linears
             quantized, one forward per layer (:mod:`.gptq_sequential`); False: from the
             float layer.
-        rotate: GPTQ (and GPTAQ) on the model with its residual stream and value heads rotated
-            (:mod:`.rotate`; the head becomes its own INT8 table when it was tied); None:
-            for GPTQ wherever the architecture allows it.
+        rotate: GPTQ (and GPTAQ) on the model with its residual stream and value heads
+            rotated (:mod:`.rotate`; the head becomes its own INT8 table when it was tied);
+            None: for GPTQ wherever the architecture allows it.
         gptq_grid: GPTQ's group-parameter rule (:data:`.gptq.GRIDS`); None: "mse".
 
     Returns:

@@ -176,7 +176,8 @@ def float_layer(be: CalibrationBackend, cfg, tensors_short: dict, i: int, x: np.
 
 
 def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
-               rope, x_float: np.ndarray | None = None) -> tuple[np.ndarray, dict, np.ndarray | None]:
+               rope, x_float: np.ndarray | None = None
+               ) -> tuple[np.ndarray, dict, np.ndarray | None]:
     """Quantize layer ``i`` in one pass over the calibration sequences ``x [N, L, D]``
     (float32; ``tensors_short`` its float tensors by short name); with ``x_float`` (the
     float model's input to the layer), on GPTAQ's targets (:func:`asymmetric_target`).

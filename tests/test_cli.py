@@ -386,7 +386,7 @@ def test_convert_gptq_rotation_and_grid_flags(stories_dir, tmp_path):
     assert r.returncode == 0 and "(gptq, group 32, rotated, mse grid)" in r.stdout, r.stdout
     for flags in (("--rotate",), ("--gptq-grid", "minmax"), ("--method", "awq", "--rotate")):
         r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "w.eif"), *flags)
-        assert r.returncode == 2 and "apply to --method gptq or gptaq only" in r.stderr, r.stderr
+        assert r.returncode == 2 and "to --method gptq or gptaq only" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "w.eif").exists()
 
 

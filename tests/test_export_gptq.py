@@ -273,6 +273,10 @@ def test_export_overwrite_rules(tmp_path, tiny_eif):
     _src, eif = tiny_eif
     out = tmp_path / "gptq"
     export_gptq(eif, out)
+    um = os.umask(0o022)
+    os.umask(um)  # every file an ordinary one (safetensors writes 0600), the folder too
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.iterdir()]}
+    assert modes == {**{n: 0o666 & ~um for n in modes}, "gptq": 0o777 & ~um}, modes
     before = (out / "model.safetensors").stat().st_mtime_ns
     with pytest.raises(OutputError, match="already exists.*--force"):
         export_gptq(eif, out)

@@ -11,10 +11,9 @@ from edgeinfer.models.rope import rope_tables
 from edgeinfer.quant import calibrate as cal
 from edgeinfer.quant.gptq import Hessian, gptq_quantize
 from edgeinfer.quant.gptq_sequential import (ASYM_ALPHA, ASYM_DAMP, HESSIAN_ROWS,
-                                             SequentialGPTQBackend, asymmetric_target,
-                                             gptq_layer)
+                                             asymmetric_target, gptq_layer)
 from edgeinfer.quant.rtn import effective_group
-from test_gptq_sequential import _capture
+from test_gptq_sequential import _capture, layer_problem
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +74,11 @@ def test_layer_pass_is_its_definition(stories_dir, pool):
     where X̃ is its input with the earlier groups quantized (from the quantized stream)
     and X its input in the float layer (from the float stream); the float output is the
     float layer's."""
-    from edgeinfer.readers import read_model
-
-    src = read_model(str(stories_dir))
-    cfg = src.config
     n, L, i = 4, 40, 1
+    cfg, x_float, lw, rope, be = layer_problem(stories_dir, n, L, i, True, pool)
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, cfg.vocab_size, (n, L)).astype(np.int32)
-    x_float = np.asarray(src.tensors["model.embed_tokens.weight"], np.float32)[ids]
     x = (x_float + 0.05 * rng.normal(size=x_float.shape) * np.abs(x_float).mean()).astype(
         np.float32)  # the quantized stream, already off the float one
-    lw = cal.load_layer(src, i)
-    names = layer_tensor_names(i)
-    cos, sin = rope_tables(cfg, L, cfg.layer_rope_theta(i))
-    rope = (cos.astype(np.float32), sin.astype(np.float32))
-
-    def solve(key, w, H):
-        return gptq_quantize(w, H, 4, effective_group(w.shape[1], 32), False,
-                             act_order=True, name=names[key], pool=pool)
-
-    be = SequentialGPTQBackend(solve, pool=pool)
     y, q, y_float = gptq_layer(be, cfg, lw, i, x, rope, x_float)
     assert all(type(q[k]).__name__ == "QuantizedTensor" for k in LINEAR_KEYS)
 

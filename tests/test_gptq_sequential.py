@@ -97,28 +97,34 @@ def _capture(cfg, tensors, i, x2d, pos, rope, L):
     return cap, y
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_true_sequential_layer_is_its_definition(stories_dir, pool, act_order):
-    """Each group is GPTQ on the Hessian of its input computed with the *earlier* groups
-    quantized and the later ones float (q/k/v, o, gate/up, down in order); the output is
-    the fully quantized layer's."""
+def layer_problem(stories_dir, n, L, i, act_order, pool):
+    """stories260K's layer ``i`` on ``n`` random sequences of ``L`` tokens: ``(cfg, x
+    [n, L, D] (the embeddings), float tensors by short name, rope, a sequential backend
+    solving GPTQ in groups of 32)``."""
     from edgeinfer.readers import read_model
 
     src = read_model(str(stories_dir))
     cfg = src.config
-    n, L, i = 5, 48, 1
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (n, L)).astype(np.int32)
     x = np.asarray(src.tensors["model.embed_tokens.weight"], np.float32)[ids]
-    lw = cal.load_layer(src, i)
     names = layer_tensor_names(i)
     cos, sin = rope_tables(cfg, L, cfg.layer_rope_theta(i))
-    rope = (cos.astype(np.float32), sin.astype(np.float32))
 
     def solve(key, w, H):
         return gptq_quantize(w, H, 4, effective_group(w.shape[1], 32), False,
                              act_order=act_order, name=names[key], pool=pool)
 
-    be = SequentialGPTQBackend(solve, pool=pool)
+    return (cfg, x, cal.load_layer(src, i), (cos.astype(np.float32), sin.astype(np.float32)),
+            SequentialGPTQBackend(solve, pool=pool))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_true_sequential_layer_is_its_definition(stories_dir, pool, act_order):
+    """Each group is GPTQ on the Hessian of its input computed with the *earlier* groups
+    quantized and the later ones float (q/k/v, o, gate/up, down in order); the output is
+    the fully quantized layer's."""
+    n, L, i = 5, 48, 1
+    cfg, x, lw, rope, be = layer_problem(stories_dir, n, L, i, act_order, pool)
     y, q, y_float = gptq_layer(be, cfg, lw, i, x, rope)
     assert y_float is None
     assert all(type(q[k]).__name__ == "QuantizedTensor" for k in LINEAR_KEYS)
