@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", choices=["signmax", "grid", "rtn", "awq", "gptq", "gptaq", "mse"],
                    default=None,
                    help="default: signmax (data-free, seconds; symmetric groups of 32, each "
-                        "group's largest weight exact) without --calib, awq with it; grid: "
+                        "group's largest weight exact) without --calib, gptq with it; grid: "
                         "searched scales; rtn: the plain round-to-nearest baseline; mse: the clip "
                         "minimising the error weighted by mean x² per input; gptaq: "
                         "GPTQ fitting each layer to the float model's outputs (best quality, "

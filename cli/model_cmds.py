@@ -85,7 +85,7 @@ def cmd_convert(args) -> int:
         if is_packed_checkpoint(args.model):
             return _import_packed(args)
     if args.method is None:  # calibrated with a text file, else the data-free default
-        args.method = "awq" if args.calib else "signmax"
+        args.method = "gptq" if args.calib else "signmax"
     gptq_only = [f for f, v in (("--rotate", args.rotate or None),
                                 ("--gptq-grid", args.gptq_grid)) if v is not None]
     if args.method not in ("gptq", "gptaq") and gptq_only:

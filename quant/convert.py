@@ -121,7 +121,7 @@ def small_pages():
         setter(was)
 
 
-def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits: int = 4,
+def convert(src: str | ModelSource, out_path: str, *, method: str = "gptq", bits: int = 4,
             group_size: int | None = None, symmetric: bool | None = None,
             embed_bits: int | None = None,
             calib_path: str | None = None, n_calib: int | None = None,
@@ -139,7 +139,7 @@ def convert(src: str | ModelSource, out_path: str, *, method: str = "awq", bits:
             checkpoint's own groups and zero points are kept).
         out_path: destination file (written to a temp file, then renamed); checked before
             any work: an existing file is refused unless ``overwrite``, an input always.
-        method: "awq" (default), "gptq", "gptaq" (GPTQ fitting each layer to the float
+        method: "gptq" (default), "awq", "gptaq" (GPTQ fitting each layer to the float
             model's outputs: asymmetric calibration, :mod:`.gptq_sequential`; a float
             forward beside the quantized one, about twice GPTQ's time), "signmax"
             (:mod:`.signmax`: the weights alone, no calibration, seconds; each group's

@@ -392,7 +392,8 @@ def test_convert_gptq_rotation_and_grid_flags(stories_dir, tmp_path):
 
 def test_convert_gptaq_method(stories_dir, tmp_path):
     """`--method gptaq` writes a GPTQ file fitted to the float model (recorded, and said in
-    the summary line) that differs from plain GPTQ's; it refuses --no-true-sequential."""
+    the summary line) that differs from plain GPTQ's; it refuses --no-true-sequential.
+    GPTQ is the method of a --calib without --method."""
     from edgeinfer.container import describe_eif, read_eif
 
     text = tmp_path / "c.txt"
@@ -404,6 +405,8 @@ def test_convert_gptaq_method(stories_dir, tmp_path):
         r = run_cli("convert", str(stories_dir), "-o", str(outs[m]), "--method", m, *common)
         assert r.returncode == 0, r.stderr
         assert f"({m}, group 32, not rotated, mse grid)" in r.stdout, r.stdout
+    r = run_cli("convert", str(stories_dir), "-o", str(tmp_path / "d.eif"), *common)
+    assert r.returncode == 0 and "(gptq, group 32," in r.stdout, r.stdout  # --calib's default
     prov = describe_eif(outs["gptaq"])["provenance"]
     assert prov["method"] == "gptaq" and prov["gptaq"]["alpha"] == 0.5
     assert prov["gptaq"]["float_sequences"] == 2
