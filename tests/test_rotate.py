@@ -92,8 +92,11 @@ def test_rotation_refusals_name_the_reason(tmp_path):
                        match="cannot rotate a gemma3_text model: its RMSNorm.*--no-rotate"):
         rotate_source(ModelSource("g", "hf", gemma, {}, {}, TOKENIZER))
     for opt in ({"rotate": True}, {"gptq_grid": "minmax"}):
-        with pytest.raises(ValueError, match="apply to method 'gptq' only.*not 'rtn'"):
+        with pytest.raises(ValueError, match="apply to methods 'gptq' and 'gptaq' only.*not 'rtn'"):
             convert(src, str(tmp_path / "x.eif"), method="rtn", progress=False, **opt)
+    with pytest.raises(ValueError, match="gptaq needs true_sequential"):
+        convert(src, str(tmp_path / "x.eif"), method="gptaq", true_sequential=False,
+                progress=False)
     with pytest.raises(ValueError, match="unknown GPTQ grid 'best'"):
         convert(src, str(tmp_path / "x.eif"), method="gptq", gptq_grid="best", progress=False)
     assert not (tmp_path / "x.eif").exists()
