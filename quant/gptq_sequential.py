@@ -156,23 +156,31 @@ def asymmetric_target(w: np.ndarray, xq: np.ndarray, xf: np.ndarray, H: np.ndarr
     return (w + np.float32(alpha) * Z).astype(np.float32)
 
 
+def _whole_layer(be: CalibrationBackend, cfg, lw: dict, i: int, x: np.ndarray, rope,
+                 capture: dict | None = None) -> np.ndarray:
+    """Layer ``i`` (uploaded tensors ``lw``) on all sequences ``x [N, L, D]`` in one call:
+    the output ``[N, L, D]`` float32; ``capture`` as :func:`.block.block_forward`."""
+    n, L, D = x.shape
+    cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)  # never written
+    pos = np.tile(np.arange(L, dtype=np.int32), n)
+    be.seq_len = L
+    try:
+        y = decoder_layer(be, cfg, lw, x.reshape(-1, D), pos, rope, cache, 0, i, capture=capture)
+    finally:
+        be.seq_len = None
+    return np.asarray(y, np.float32).reshape(n, L, D)
+
+
 def float_layer(be: CalibrationBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
                 rope) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The float layer ``i`` on ``x [N, L, D]``: its output ``[N, L, D]`` and the input of
     each :data:`CAPTURE_GROUPS` key (float32 ``[N·L, in]``, copies)."""
-    n, L, D = x.shape
     lw = {k: (be.upload_weight(np.asarray(v, np.float32)) if k in LINEAR_KEYS else be.upload(v))
           for k, v in tensors_short.items()}
-    cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)  # never written
-    pos = np.tile(np.arange(L, dtype=np.int32), n)
     cap: dict = {}
-    be.seq_len = L
-    try:
-        y = decoder_layer(be, cfg, lw, x.reshape(-1, D), pos, rope, cache, 0, i, capture=cap)
-    finally:
-        be.seq_len = None
-    inputs = {k: np.array(v, np.float32).reshape(n * L, -1) for k, v in cap.items()}
-    return np.asarray(y, np.float32).reshape(n, L, D), inputs
+    y = _whole_layer(be, cfg, lw, i, x, rope, cap)
+    rows = x.shape[0] * x.shape[1]
+    return y, {k: np.array(v, np.float32).reshape(rows, -1) for k, v in cap.items()}
 
 
 def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: np.ndarray,
@@ -190,20 +198,15 @@ def gptq_layer(be: SequentialGPTQBackend, cfg, tensors_short: dict, i: int, x: n
     y_float = None
     if x_float is not None:
         y_float, be.float_inputs = float_layer(be, cfg, tensors_short, i, x_float, rope)
-    n, L, D = x.shape
     lw = {k: (_Float(k, np.ascontiguousarray(v, np.float32)) if k in LINEAR_KEYS
               else be.upload(v)) for k, v in tensors_short.items()}
-    cache = be.new_kv_cache(1, cfg.num_key_value_heads, cfg.head_dim, L)  # never written
-    pos = np.tile(np.arange(L, dtype=np.int32), n)
     be.quantized = {}
-    be.seq_len = L
     try:
-        y = decoder_layer(be, cfg, lw, x.reshape(-1, D), pos, rope, cache, 0, i)
+        y = _whole_layer(be, cfg, lw, i, x, rope)
     finally:
-        be.seq_len = None
         be.float_inputs = None
     q = dict(tensors_short)
     for key, members in CAPTURE_GROUPS.items():
         parts = split_rows(be.quantized[key], [tensors_short[m].shape[0] for m in members])
         q.update(zip(members, parts))
-    return np.asarray(y, np.float32).reshape(n, L, D), q, y_float
+    return y, q, y_float
